@@ -1,0 +1,39 @@
+"""The attention backend interface: metadata built once per step, one call per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and what each request attends to, for one mixed batch.
+
+    Tokens are laid out request after request. Requests with a single new token (decode) come first
+    so that they can be attended to in one batched call.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    query_start_loc: list[int]  # [num_reqs + 1] offsets of each request's tokens
+    seq_lens: list[int]  # [num_reqs] context length after this step
+    num_decodes: int  # the first num_decodes requests have exactly one new token
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] padded with 0
+    decode_seq_lens: torch.Tensor | None  # [num_decodes]
+    block_tables: list[torch.Tensor]  # per request, its block ids (for the prefill path)
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend:
+    """Writes new K/V into the paged cache and computes attention for a mixed batch."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
+        raise NotImplementedError

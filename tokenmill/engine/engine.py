@@ -1,0 +1,165 @@
+"""LLMEngine: add requests, step the batch, hand back outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from tokenmill.attention.cpu import TorchSDPABackend
+from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import ModelOutput, Scheduler
+from tokenmill.model.loader import load_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.runner import ModelRunner, kv_bytes_per_block
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+PromptInput = str | Sequence[int]
+
+
+class LLMEngine:
+    """One model, one KV cache, one scheduler; step() runs one forward pass over the whole batch."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, None)
+        if config.device in (None, "auto") and self.device.type == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.loaded = load_model(config.model, self.dtype, self.device, TorchSDPABackend(),
+                                 max_positions=config.max_model_len)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        mcfg = self.model.config
+        self.vocab_size = mcfg.vocab_size
+        self.eos_token_ids = self.loaded.eos_token_ids
+
+        context = mcfg.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
+        bs = config.block_size
+        per_block = kv_bytes_per_block(self.model, bs, self.dtype)
+        num_blocks = config.kv_cache_memory // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {per_block} bytes")
+        self.max_model_len = min(config.max_model_len or context, num_blocks * bs)
+        if config.max_model_len and self.max_model_len < config.max_model_len:
+            raise ValueError(f"the KV cache ({num_blocks * bs} tokens in {config.kv_cache_memory} bytes) cannot hold "
+                             f"max_model_len {config.max_model_len}; raise kv_cache_memory or lower max_model_len")
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
+                    num_blocks, bs, num_blocks * bs, num_blocks * per_block / 2**20,
+                    str(self.dtype).removeprefix("torch."), self.max_model_len)
+
+        self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._next_id = 0
+        self.last_step = None  # the latest SchedulerOutput, for stats and tests
+
+    # ------------------------------------------------------------------ requests
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (temperature, top_p, top_k, ...)."""
+        gen = self.loaded.generation_config
+        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty"}
+        values = {ours: gen[theirs] for ours, theirs in keys.items() if gen.get(theirs) is not None}
+        if gen.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return SamplingParams(**values)
+
+    def encode(self, prompt: PromptInput) -> list[int]:
+        """Token ids of a prompt; a list of ints is checked against the vocabulary."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
+        if not ids:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        return ids
+
+    def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError before any work on bad input."""
+        params = params or self.default_sampling_params()
+        params.validate_for_vocab(self.vocab_size)
+        ids = prompt_token_ids if prompt_token_ids is not None else self.encode(prompt)
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n_prompt = len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion.")
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
+                             f"max_model_len {self.max_model_len}")
+        if params._eos_token_ids == ():
+            params = params.clone(_eos_token_ids=self.eos_token_ids)
+        now = arrival_time or time.time()
+        children = [Request(request_id if params.n == 1 else f"{i}_{request_id}", ids, params, max_tokens,
+                            parent_id=request_id, index=i, arrival_time=now) for i in range(params.n)]
+        self.output_processor.add(prompt if isinstance(prompt, str) else None, ids, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Stop requests at any moment; their KV blocks are freed at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            children = self.output_processor.children_of(rid)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass over the mixed batch, sample, and report what changed."""
+        sched = self.scheduler.schedule()
+        model_out = self.runner.execute(sched) if not sched.is_empty else ModelOutput()
+        changed = self.scheduler.update(sched, model_out)
+        outputs, stopped = self.output_processor.process(changed)
+        for rid, stop in stopped:
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        self.last_step = sched
+        return outputs
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        kv = self.kv_manager
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": kv.usage(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": kv.num_queried_tokens,
+            "prefix_cache_hits": kv.num_hit_tokens,
+        }
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_manager.reset_prefix_cache()

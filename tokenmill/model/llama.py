@@ -1,0 +1,172 @@
+"""The Llama decoder, which Mistral, Qwen2 and Qwen3 reuse with a few switches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers import GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding
+
+
+@dataclass(slots=True)
+class DecoderConfig:
+    """The hyper-parameters the decoder needs, read from an HF config dict."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, c: dict, *, qkv_bias: bool | None = None, qk_norm: bool = False) -> "DecoderConfig":
+        heads = c["num_attention_heads"]
+        attention_bias = bool(c.get("attention_bias", False))
+        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        rope_scaling = c.get("rope_scaling")
+        rope_theta = c.get("rope_theta")
+        # Newer configs keep rope settings under rope_parameters.
+        params = c.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            sliding_window=window,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.backend = backend
+        self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer over a flat batch of tokens from many requests."""
+
+    qkv_bias: bool | None = None  # None: from the config's attention_bias
+    qk_norm: bool = False
+
+    def __init__(self, hf_config: dict, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        cfg = DecoderConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max(max_positions, 1), cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch; K/V of the new tokens are written to kv_caches."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)
+
+    # ------------------------------------------------------------------ weights
+    _STACKED = {  # checkpoint name part -> (fused module name part, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self._STACKED:
+                fused, idx = self._STACKED[parts[-2]]
+                module_name = ".".join(parts[:-2] + [fused])
+                module = self.get_submodule(module_name)
+                module.load_shard(idx, tensor, is_bias=parts[-1] == "bias")
+                loaded.add(f"{module_name}.{parts[-1]}")
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

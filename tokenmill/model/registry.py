@@ -1,0 +1,26 @@
+"""Architecture name (as in a config's "architectures") -> model class."""
+
+from __future__ import annotations
+
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.mistral import MistralForCausalLM
+from tokenmill.model.qwen2 import Qwen2ForCausalLM
+from tokenmill.model.qwen3 import Qwen3ForCausalLM
+
+MODELS: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(hf_config: dict) -> type:
+    """The class for a config, or a ValueError naming the supported architectures."""
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in MODELS:
+            return MODELS[arch]
+    raise ValueError(
+        f"unsupported model architecture {archs or hf_config.get('model_type')!r}; "
+        f"supported: {', '.join(sorted(MODELS))}")

@@ -1,0 +1,108 @@
+"""ModelRunner: owns the model and the KV cache tensors; turns a SchedulerOutput into one forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.sample.sampler import Sampler, token_logprobs
+
+
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 seed: int) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        cfg = model.config
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_layers)]
+        self.sampler = Sampler(cfg.vocab_size, seed)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        # Single-token requests first: the attention backend batches them in one call.
+        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, starts = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        out = ModelOutput()
+        sample_rows, sample_reqs = [], []
+        for s, start in zip(items, starts):
+            if s.samples:
+                sample_rows.append(start + s.num_new_tokens - 1)
+                sample_reqs.append(s.request)
+            if s.request.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + s.num_new_tokens])
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens, logprobs = self.sampler(logits, sample_reqs)
+            for req, tok, lp in zip(sample_reqs, tokens, logprobs):
+                out.sampled[req.request_id] = tok
+                if lp is not None:
+                    out.logprobs[req.request_id] = lp
+        return out
+
+    def _prepare(self, items: list[ScheduledRequest]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts, seq_lens, query_start = [], [], [0]
+        # Any single-token query (decode, or a one-token chunk) takes the batched path.
+        num_decodes = sum(1 for s in items if s.num_new_tokens == 1)
+        for s in items:
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            starts.append(len(ids))
+            ids.extend(req.token_ids(start, end))
+            blocks = req.block_ids
+            for p in range(start, end):
+                slots.append(blocks[p // bs] * bs + p % bs)
+            pos.extend(range(start, end))
+            seq_lens.append(end)
+            query_start.append(len(ids))
+        dev = self.device
+        decode_bt = decode_lens = None
+        if num_decodes:
+            width = max(len(s.request.block_ids) for s in items[:num_decodes])
+            decode_bt = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids))
+                                      for s in items[:num_decodes]], dtype=torch.long, device=dev)
+            decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=query_start,
+            seq_lens=seq_lens,
+            num_decodes=num_decodes,
+            decode_block_tables=decode_bt,
+            decode_seq_lens=decode_lens,
+            block_tables=[None] * num_decodes + [torch.tensor(s.request.block_ids, dtype=torch.long, device=dev)
+                                                 for s in items[num_decodes:]],
+            block_size=bs,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                meta, starts)
+
+    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> list:
+        """Logprobs of prompt tokens predicted by this chunk's positions (None for the very first token)."""
+        req: Request = s.request
+        start = req.num_computed_tokens
+        out = [None] if start == 0 else []
+        # Position p predicts token p + 1; only tokens inside the prompt count.
+        n = min(s.num_new_tokens, req.num_prompt_tokens - 1 - start)
+        if n <= 0:
+            return out
+        logprobs = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
+        k = req.sampling_params.prompt_logprobs
+        targets = req.prompt_token_ids[start + 1:start + 1 + n]
+        out.extend(token_logprobs(logprobs[i], t, k) for i, t in enumerate(targets))
+        return out
