@@ -1,0 +1,112 @@
+"""Fixtures: tiny random models of every supported architecture, saved as Hugging Face folders."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TEXT = """The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
+def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n
+Once upon a time there was a small engine that computed tokens. It batched many requests together,
+kept their keys and values in blocks, and never lost a request. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+Ünïcödé: café, naïve, 日本語, emoji 🙂 and symbols #$%&*()[]{}<>?!
+"""
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "Once upon a time there was a small engine that computed tokens. It batched many",
+    "Numbers: 0 1 2 3",
+    "A",
+    "kept their keys and values in blocks, and never lost a request. The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):\n    print(",
+    "Ünïcödé: café, naïve, 日本語",
+]
+
+
+def make_tokenizer(folder: str):
+    """A byte-level BPE tokenizer trained on a small text, saved with special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>")
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(folder)
+    return hf
+
+
+def _configs(vocab: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return {
+        "llama": LlamaConfig(**common, rope_theta=10000.0),
+        "llama3-tied": LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}),
+        "mistral": MistralConfig(**common, sliding_window=24),
+        "qwen2": Qwen2Config(**common),
+        "qwen3": Qwen3Config(**common, head_dim=32),
+    }
+
+
+ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Folder path per architecture name."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = make_tokenizer(str(root / "tokenizer"))
+    paths = {}
+    for name, cfg in _configs(len(tok)).items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        folder = str(root / name)
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        paths[name] = folder
+    return paths
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> str:
+    """The real default model (fetched into the cache on first use)."""
+    from tokenmill.model.hub import pull
+
+    return pull()
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
+    """Reference: transformers' greedy generate of each prompt alone, plus last-position logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            out = model.generate(x, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            tokens.append(out[0, len(ids):].tolist())
+            logprobs.append(model(x).logits[0, -1].float().log_softmax(-1))
+    return tokens, logprobs
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

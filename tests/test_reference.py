@@ -1,0 +1,88 @@
+"""Greedy tokens and logprobs equal Hugging Face transformers' in every scheduling mode."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.conftest import ARCHS, PROMPTS, hf_greedy
+from tokenmill import LLM, SamplingParams
+
+MAX_NEW = 32
+
+# name -> LLM keyword arguments; each mode must give the same greedy tokens.
+MODES = {
+    "plain": {},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "chunked": {"max_num_batched_tokens": 7},
+    # 20 blocks of 4 tokens hold the longest request (69 tokens) but not 8 requests at once.
+    "preempt": {"block_size": 4, "kv_cache_blocks": 20},
+}
+
+def block_bytes(folder: str, block_size: int) -> int:
+    """Bytes of one float32 KV block of the model in folder."""
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * block_size * c["num_key_value_heads"] * head_dim * 4
+
+
+_reference_cache: dict[str, tuple] = {}
+
+
+def reference(folder: str, prompt_ids: list[list[int]]):
+    if folder not in _reference_cache:
+        _reference_cache[folder] = hf_greedy(folder, prompt_ids, MAX_NEW)
+    return _reference_cache[folder]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_matches_transformers(tiny_models, arch, mode):
+    folder = tiny_models[arch]
+    kwargs = dict(MODES[mode])
+    if "kv_cache_blocks" in kwargs:
+        kwargs["kv_cache_memory"] = kwargs.pop("kv_cache_blocks") * block_bytes(folder, kwargs["block_size"])
+    llm = LLM(folder, dtype="float32", seed=0, **kwargs)
+    tok = llm.get_tokenizer()
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    ref_tokens, ref_logprobs = reference(folder, prompt_ids)
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    outs = llm.generate(prompt_ids, params)
+
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == ref_tokens[i], f"prompt {i} differs from transformers"
+        first = out.outputs[0].logprobs[0]
+        top = torch.topk(ref_logprobs[i], 5)
+        for value, token in zip(top.values.tolist(), top.indices.tolist()):
+            assert token in first, f"prompt {i}: transformers' top token {token} missing from our top 5"
+            assert abs(first[token].logprob - value) < 1e-4
+    engine = llm.engine
+    if mode == "preempt":
+        assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
+    if mode == "chunked":
+        assert max(len(p) for p in prompt_ids) > 7, "some prompt must be longer than the token budget"
+    # Nothing leaked: every block is back in the free queue with no reference.
+    pool = engine.kv_manager.pool
+    assert pool.num_free == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_shared_prefixes_reuse_cache_and_match(tiny_models):
+    """Many requests sharing prefixes of different lengths: cache hits happen, tokens equal transformers'."""
+    folder = tiny_models["llama"]
+    llm = LLM(folder, dtype="float32", block_size=4)
+    tok = llm.get_tokenizer()
+    base = tok.encode(PROMPTS[5])
+    prompt_ids = [base[:n] + tok.encode(tail) for n in (4, 9, 17, 25) for tail in (" fox", " dog jumps")]
+    ref_tokens, _ = hf_greedy(folder, prompt_ids, 16)
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    llm.generate(prompt_ids[:1], params)  # warm the cache with one of them
+    outs = llm.generate(prompt_ids, params)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    assert llm.engine.kv_manager.num_hit_tokens > 0
