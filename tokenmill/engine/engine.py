@@ -90,6 +90,17 @@ class LLMEngine:
             raise ValueError("the prompt is empty: it must hold at least one token")
         return ids
 
+    def resolve_max_tokens(self, n_prompt: int, max_tokens: int | None) -> int:
+        """max_tokens for a prompt of n_prompt tokens (None: the rest of the context), or a ValueError."""
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len or max_tokens < 1:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the prompt, {max(max_tokens, 1)} for the "
+                "completion). Please reduce the length of the prompt or the completion.")
+        return max_tokens
+
     def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> str:
         """Validate and queue a request; returns its id. Raises ValueError before any work on bad input."""
@@ -101,16 +112,7 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        n_prompt = len(ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        if n_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the length of the prompt or the completion.")
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({n_prompt} tokens) leaves no room to generate within "
-                             f"max_model_len {self.max_model_len}")
+        max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens)
         if params._eos_token_ids == ():
             params = params.clone(_eos_token_ids=self.eos_token_ids)
         now = arrival_time or time.time()

@@ -1,0 +1,121 @@
+"""Block pool and prefix cache invariants, driven through the scheduler with a stand-in model."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.engine.kv_cache import KVCacheManager, hash_block
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import ModelOutput, Scheduler
+from tokenmill.sampling_params import SamplingParams
+
+BS = 4
+
+
+def fake_model(sched) -> ModelOutput:
+    """Deterministic next token (a function of the sequence so far), as a model would give."""
+    out = ModelOutput()
+    for s in sched.scheduled:
+        if s.samples:
+            r = s.request
+            out.sampled[r.request_id] = (sum(r.all_token_ids) * 31 + r.num_tokens) % 7
+    return out
+
+
+def check_invariants(sch: Scheduler) -> None:
+    pool = sch.kv.pool
+    holders = Counter()
+    for req in sch.running:
+        assert len(set(req.block_ids)) == len(req.block_ids), "a request holds a block twice"
+        holders.update(req.block_ids)
+        assert len(req.block_ids) * BS >= req.num_computed_tokens
+    for b in pool.blocks:
+        assert b.ref_cnt == holders[b.block_id], f"block {b.block_id}: ref_cnt {b.ref_cnt} != holders"
+        assert (b.block_id in pool.free) == (b.ref_cnt == 0)
+        if holders[b.block_id] > 1:
+            assert b.block_hash is not None, "only cached full blocks may be shared"
+    for digest, b in pool.cached.items():
+        assert b.block_hash is not None and b.block_hash.digest == digest
+    for req in sch.waiting:
+        assert req.block_ids == []
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 14), st.integers(1, 6), st.sampled_from([None, "a"])),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, num_blocks=st.integers(6, 24), budget=st.integers(1, 16), caching=st.booleans())
+def test_pool_invariants_under_random_traffic(ops, num_blocks, budget, caching):
+    kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
+    sch = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=num_blocks * BS)
+    ids = []
+    for op in ops:
+        if op[0] == "add":
+            _, prefix, length, max_tokens, salt = op
+            # Prompts drawn from 4 shared stems so that prefixes repeat.
+            prompt = ([prefix] * 5 + list(range(20)))[:length]
+            max_tokens = min(max_tokens, sch.max_model_len - length)
+            if max_tokens < 1:
+                continue
+            rid = f"r{len(ids)}"
+            ids.append(rid)
+            sch.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, cache_salt=salt), max_tokens))
+        elif op[0] == "step":
+            out = sch.schedule()
+            assert out.num_batched_tokens <= budget and len(sch.running) <= 4
+            sch.update(out, fake_model(out))
+        elif ids:
+            sch.finish_requests([ids[op[1] % len(ids)]], RequestStatus.FINISHED_ABORTED)
+        check_invariants(sch)
+    # Drain: everything finishes and every block comes back.
+    for _ in range(2000):
+        if not sch.has_unfinished():
+            break
+        out = sch.schedule()
+        sch.update(out, fake_model(out))
+        check_invariants(sch)
+    assert not sch.has_unfinished()
+    assert kv.pool.num_free == num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_eviction_is_least_recently_used():
+    kv = KVCacheManager(4, BS)  # exactly the blocks of a and b, so no never-used block comes first
+    a = Request("a", list(range(8)), SamplingParams(), 1)
+    b = Request("b", list(range(100, 108)), SamplingParams(), 1)
+    for r in (a, b):
+        assert kv.allocate_slots(r, 8)
+    a_blocks, b_blocks = list(a.block_ids), list(b.block_ids)
+    kv.free(a)
+    kv.free(b)
+    # a was freed first, and within a request the tail goes first: a's tail, a's head, then b's.
+    fresh = Request("c", list(range(200, 212)), SamplingParams(), 1)
+    assert kv.allocate_slots(fresh, 12)
+    assert fresh.block_ids[:3] == [a_blocks[1], a_blocks[0], b_blocks[1]]
+    # b's head block is still cached and found; a's blocks are gone.
+    assert kv.get_computed_blocks(Request("b2", list(range(100, 108)) + [5], SamplingParams(), 1))[0].block_id == b_blocks[0]
+    assert kv.get_computed_blocks(Request("a2", list(range(8)) + [5], SamplingParams(), 1)) == []
+
+
+def test_hit_confirmed_by_tokens_and_salt_isolates():
+    kv = KVCacheManager(8, BS)
+    r = Request("r", list(range(9)), SamplingParams(), 1)
+    assert kv.allocate_slots(r, 9)
+    # A forged entry under the same digest with other tokens is not served.
+    h = r.block_hashes[0]
+    assert kv.pool.lookup(h) is not None
+    assert kv.pool.lookup(type(h)(h.digest, (9, 9, 9, 9))) is None
+    same = Request("s", list(range(9)), SamplingParams(), 1)
+    assert len(kv.get_computed_blocks(same)) == 2
+    salted = Request("t", list(range(9)), SamplingParams(cache_salt="tenant-b"), 1)
+    assert kv.get_computed_blocks(salted) == []
+    # A hit never covers the last token: an 8-token prompt reuses one block, not two.
+    exact = Request("u", list(range(8)), SamplingParams(), 1)
+    assert len(kv.get_computed_blocks(exact)) == 1
+    assert hash_block(None, [1, 2]).digest != hash_block(None, [1, 2], b"x").digest

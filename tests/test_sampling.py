@@ -1,0 +1,181 @@
+"""The sampler draws from the distribution its parameters define; seeds, stops and penalties behave."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import PROMPTS
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request import Request
+from tokenmill.sample.sampler import Sampler, apply_penalties
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+N = 20000
+
+
+def expected(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """The target distribution written out from the definitions, independently of the sampler."""
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.ones_like(p, dtype=bool)
+    if top_k:
+        keep[order[top_k:]] = False
+    q = np.where(keep, p, 0)
+    q /= q.sum()
+    cum = 0.0
+    for idx in order:  # nucleus: keep tokens until the ones before reach top_p
+        if keep[idx] and cum >= top_p:
+            keep[idx] = False
+        cum += q[idx] if keep[idx] else 0.0
+    q = np.where(keep, p, 0)
+    q /= q.sum()
+    if min_p:
+        keep &= q >= min_p * q.max()
+        q = np.where(keep, p, 0)
+        q /= q.sum()
+    return q
+
+
+def draw(params: SamplingParams, n: int = N) -> np.ndarray:
+    sampler = Sampler(len(LOGITS), seed=1234)
+    reqs = [Request(str(i), [0], params, 16) for i in range(n)]
+    tokens, _ = sampler(LOGITS.repeat(n, 1), reqs)
+    return np.bincount(tokens, minlength=len(LOGITS)) / n
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 1.0},
+    {"temperature": 0.5},
+    {"temperature": 2.0},
+    {"temperature": 1.0, "top_k": 3},
+    {"temperature": 1.0, "top_p": 0.8},
+    {"temperature": 0.7, "top_p": 0.5, "top_k": 5},
+    {"temperature": 1.0, "min_p": 0.2},
+])
+def test_sampling_distribution(kwargs):
+    observed = draw(SamplingParams(**kwargs))
+    target = expected(LOGITS.numpy().astype(np.float64), **kwargs)
+    # Tokens outside the allowed set must never appear; the rest within sampling noise.
+    assert np.all(observed[target == 0] == 0)
+    # Chi-square statistic against the target over allowed tokens; 99.9% quantile bound for <= 7 dof is 24.3.
+    allowed = target > 0
+    chi2 = N * np.sum((observed[allowed] - target[allowed]) ** 2 / target[allowed])
+    assert chi2 < 24.3, (observed, target)
+
+
+def test_greedy_is_argmax():
+    observed = draw(SamplingParams(temperature=0), n=50)
+    assert observed[0] == 1.0
+
+
+def test_seed_reproducible_across_batch_companions(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    mixed = llm.generate(PROMPTS[1:5] + [PROMPTS[0]] + PROMPTS[5:], [others] * 4 + [seeded] + [others] * 3)
+    assert mixed[4].outputs[0].token_ids == alone
+    different = llm.generate([PROMPTS[0]], seeded.clone(seed=43))[0].outputs[0].token_ids
+    assert different != alone  # a different seed changes the draw (24 tokens at temperature 1)
+
+
+def test_n_completions_differ_and_are_reproducible(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    a = llm.generate(PROMPTS[2], params)[0]
+    b = llm.generate(PROMPTS[2], params)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_stop_string_spanning_tokens(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    tok = llm.get_tokenizer()
+    base = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=32, min_tokens=32))[0].outputs[0]
+    # Find a stop string made of the end of one token and the start of the next.
+    pieces = [tok.decode(base.token_ids[:i]) for i in range(len(base.token_ids) + 1)]
+    for i in range(4, len(base.token_ids) - 1):
+        a, b = pieces[i], pieces[i + 1]
+        if len(b) - len(a) >= 2 and len(a) - len(pieces[i - 1]) >= 2:
+            stop = a[-1] + b[len(a)]
+            if stop not in a[:-1]:
+                break
+    else:
+        pytest.skip("no two adjacent multi-character tokens in this output")
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=32, min_tokens=0, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == a[:-1]
+    kept = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=32, stop=[stop],
+                                                   include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == a[:-1] + stop
+
+
+def test_stop_token_ids_and_max_tokens(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    target = base.token_ids[5]
+    first = base.token_ids.index(target)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[target]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == base.token_ids[:first + 1]
+
+
+def test_penalties_hand_computed():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    req = Request("r", [1], params, 8)
+    req.output_token_ids = [3, 3, 2]
+    apply_penalties(logits, [req], 5)
+    # token 0: unseen -> 2.0; token 1: in prompt, negative -> -1*2 = -2.0
+    # token 2: output once -> 0.5/2 - 0.25*1 - 0.5 = -0.5; token 3: output twice -> 3/2 - 0.25*2 - 0.5 = 0.5
+    # token 4: unseen -> -2.0
+    assert torch.allclose(logits, torch.tensor([[2.0, -2.0, -0.5, 0.5, -2.0]]))
+
+
+def test_logit_bias_forces_token(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                  logit_bias={17: 100.0}))[0].outputs[0]
+    assert out.token_ids == [17] * 5
+
+
+def test_logprobs_are_normalised_and_ranked(tiny_models):
+    llm = LLM(tiny_models["qwen2"], dtype="float32")
+    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2))[0]
+    for step, tok in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
+        assert step[tok].rank == 1  # greedy picks the top token
+        assert all(lp.logprob <= 0 for lp in step.values())
+        assert sorted(lp.rank for lp in step.values())[:3] == [1, 2, 3]
+    total = sum(step[t].logprob for step, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids))
+    assert math.isclose(out.outputs[0].cumulative_logprob, total, rel_tol=1e-6)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for pos, d in enumerate(out.prompt_logprobs[1:], start=1):
+        assert out.prompt_token_ids[pos] in d
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ({"temperature": -1}, "temperature"),
+    ({"n": 0}, "n must be"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"stop": [""]}, "stop"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_invalid_params_rejected(kwargs, fragment):
+    with pytest.raises(ValueError, match=None) as e:
+        SamplingParams(**kwargs)
+    assert fragment in str(e.value)

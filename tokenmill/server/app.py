@@ -1,0 +1,263 @@
+"""The OpenAI-compatible HTTP server: app, lifecycle, errors, auth, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import threading
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill import __version__
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       error_body)
+
+logger = logging.getLogger("tokenmill")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+class ServerState:
+    """What the handlers share: the engine once loaded, limits, the served name, metrics."""
+
+    def __init__(self, args, engine_kwargs: dict) -> None:
+        self.args = args
+        self.engine_kwargs = engine_kwargs
+        self.api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
+        self.model_name = args.served_model_name or _default_name(engine_kwargs.get("model"))
+        self.metrics = ServerMetrics(self.model_name)
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.exit_code = 0
+        self.server = None  # the uvicorn.Server, to stop it from inside
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ engine
+    def load(self) -> None:
+        from tokenmill.config import EngineConfig
+        from tokenmill.engine.engine import LLMEngine
+
+        try:
+            llm_engine = LLMEngine(EngineConfig(**self.engine_kwargs))
+            engine = AsyncEngine(llm_engine, on_step=self.metrics.on_step)
+            engine.add_death_callback(lambda: self.stop(1))
+            engine.start()
+            self.engine = engine
+            logger.info("ready: serving %s at http://%s:%d (ready after %.1f s)", self.model_name, self.args.host,
+                        self.args.port, time.time() - self.started)
+        except BaseException as e:
+            self.load_error = e
+            logger.error("could not load the model: %s", e)
+            self.stop(1)
+
+    def stop(self, code: int) -> None:
+        self.exit_code = code
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
+                           headers={"Retry-After": "2"})
+        if self.engine.is_dead:
+            raise APIError(500, "the engine has stopped after an internal error", "server_error")
+        return self.engine
+
+    @property
+    def tokenizer(self):
+        return self.ready_engine().engine.tokenizer
+
+
+def _default_name(model: str | None) -> str:
+    from tokenmill.model.hub import DEFAULT_MODEL
+
+    if not model:
+        return DEFAULT_MODEL
+    return os.path.basename(model.rstrip("/")) if os.path.exists(model) else model
+
+
+# ---------------------------------------------------------------------- body size limit
+class BodySizeLimit:
+    """Refuse bodies over the limit with 413, whether or not they declare their length."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _send_json(send, 413, error_body(
+                f"request body of {int(declared)} bytes exceeds the limit of {self.limit}", "invalid_request_error", 413))
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _send_json(send, 413, error_body(f"request body exceeds the limit of {self.limit} bytes",
+                                                   "invalid_request_error", 413))
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    import json
+
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+# ---------------------------------------------------------------------- the app
+def build_app(state: ServerState) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    from tokenmill.server import openai_routes
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=state.load, name="tokenmill-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            for rid in list(state.engine._streams):
+                state.engine.abort(rid)
+            state.engine.shutdown()
+
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible LLM inference server")
+    app.state.tm = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.status, exc.param), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request body")
+        return JSONResponse(error_body(message, "invalid_request_error", 400, loc or None), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), exc.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request, exc):
+        return JSONResponse(error_body(str(exc), "server_error", 500), 500)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):
+        logger.exception("internal error on %s", request.url.path)
+        return JSONResponse(error_body("internal server error", "server_error", 500), 500)
+
+    async def require_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "authentication_error")
+
+    guarded = [Depends(require_key)]
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None or state.engine.is_dead:
+            return JSONResponse({"status": "loading" if state.engine is None else "dead"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.engine is not None:
+            state.metrics.refresh(state.engine.engine.stats())
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        max_len = state.engine.engine.max_model_len if state.engine else None
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started),
+                                            "owned_by": "tokenmill", "root": state.model_name,
+                                            "max_model_len": max_len}]}
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: Request):
+        return await openai_routes.completions(state, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await openai_routes.chat_completions(state, body, request)
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: TokenizeRequest):
+        return await openai_routes.tokenize(state, body)
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(body: DetokenizeRequest):
+        return await openai_routes.detokenize(state, body)
+
+    @app.post("/reset_prefix_cache", dependencies=guarded)
+    async def reset_prefix_cache():
+        state.ready_engine().call(lambda e: e.reset_prefix_cache())
+        return {"status": "ok"}
+
+    return app
+
+
+def run_server(args) -> int:
+    """Run `tokenmill serve` until SIGTERM / Ctrl-C (exit 0) or an engine failure (exit 1)."""
+    import uvicorn
+
+    from tokenmill.cli import engine_kwargs
+    from tokenmill.llm import _configure_logging
+
+    _configure_logging()
+    logging.getLogger("tokenmill").setLevel(args.log_level.upper())
+    state = ServerState(args, engine_kwargs(args))
+    app = BodySizeLimit(build_app(state), args.max_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout + 0.999)), access_log=False)
+    server = uvicorn.Server(config)
+    state.server = server
+    logger.info("tokenmill %s listening on http://%s:%d (model loading)", __version__, args.host, args.port)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if state.load_error is not None:
+        return 1
+    return state.exit_code
+

@@ -1,0 +1,23 @@
+"""Command-line flags of `tokenmill serve` (besides the engine's)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (also $TOKENMILL_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="waiting requests beyond which new ones get 429 (default 256)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may finish after SIGTERM before they are aborted")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (default 4 MiB)")
+    g.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the context length)")
+    g.add_argument("--allow-request-chat-template", action="store_true",
+                   help="accept a chat_template sent in a request (rendered in a sandbox)")
+    g.add_argument("--log-level", default="info", help="debug | info | warning | error")

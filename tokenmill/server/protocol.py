@@ -1,0 +1,118 @@
+"""Request bodies of the OpenAI API (plus vLLM's extras), and their translation to SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI clients expect
+
+
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = False
+
+
+class _SamplingBody(_Body):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: Optional[float] = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(default=0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**64)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # vLLM's extras (sent by the openai client through extra_body)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, le=10)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: Optional[str] = None
+
+    def to_sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
+        """Fields the request leaves out take the model's defaults (generation_config)."""
+        def pick(value, default):
+            return default if value is None else value
+
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError as e:
+                raise ValueError("logit_bias keys must be token ids (integers as strings)") from e
+        return SamplingParams(
+            n=self.n, temperature=pick(self.temperature, defaults.temperature), top_p=pick(self.top_p, defaults.top_p),
+            top_k=pick(self.top_k, defaults.top_k), min_p=pick(self.min_p, defaults.min_p),
+            repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=bias, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text is understood
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise ValueError(f"message content of type {part.get('type')!r} is not supported; send text")
+                parts.append(str(part.get("text", "")))
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    chat_template: Optional[str] = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Body):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
+                    "server_error", "service_unavailable"]
