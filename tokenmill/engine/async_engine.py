@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -108,11 +109,17 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine = self.engine
         last_log, tokens_since = time.monotonic(), [0, 0]
+        # Test hook: make the loop fail after N steps, to exercise the server's handling of a dead engine.
+        fail_after = int(os.environ.get("TOKENMILL_INJECT_ENGINE_FAILURE_AFTER_STEPS", "0"))
+        steps = 0
         try:
             while not self._stop.is_set():
                 self._apply_commands(block=not engine.has_unfinished_requests())
                 if not engine.has_unfinished_requests():
                     continue
+                steps += 1
+                if fail_after and steps > fail_after:
+                    raise RuntimeError("injected engine failure")
                 outputs = engine.step()
                 now = time.time()
                 sched = engine.last_step
@@ -135,9 +142,9 @@ class AsyncEngine:
             dead = EngineDeadError(f"the engine stopped after an internal error ({type(e).__name__})")
             for stream in list(self._streams.values()):
                 stream.put(dead)
-            self._drain_dead(dead)
             for fn in self._on_death:
                 fn()
+            self._drain_dead(dead)
 
     def _drain_dead(self, dead: EngineDeadError) -> None:
         """Requests that arrive after death are failed as soon as they are queued."""

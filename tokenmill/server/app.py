@@ -237,6 +237,30 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _graceful_server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown (so the process dies of it); we exit 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
 def run_server(args) -> int:
     """Run `tokenmill serve` until SIGTERM / Ctrl-C (exit 0) or an engine failure (exit 1)."""
     import uvicorn
@@ -250,7 +274,7 @@ def run_server(args) -> int:
     app = BodySizeLimit(build_app(state), args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout + 0.999)), access_log=False)
-    server = uvicorn.Server(config)
+    server = _graceful_server_class()(config)
     state.server = server
     logger.info("tokenmill %s listening on http://%s:%d (model loading)", __version__, args.host, args.port)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -61,20 +62,35 @@ async def _encode(state: ServerState, text: str, add_special_tokens: bool = True
         None, lambda: tok.encode(text, add_special_tokens=add_special_tokens))
 
 
-async def _until_disconnect(request: Request, coro):
-    """Await coro, cancelling it (and so aborting its requests) if the client goes away."""
-    task = asyncio.ensure_future(coro)
+async def _watch(request: Request, agen: AsyncIterator):
+    """Yield from agen, giving up (and so aborting its requests) as soon as the client disconnects.
+
+    Waiting requests send nothing, so a broken connection would otherwise go unnoticed until the first
+    token; the connection is polled while no output is ready.
+    """
+    it = agen.__aiter__()
+    pending = None
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=_DISCONNECT_POLL_S)
+            if not done:
+                if await request.is_disconnected():
+                    return
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
     finally:
-        if not task.done():
-            task.cancel()
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await agen.aclose()
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -180,7 +196,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
             sent_tokens = {}
             final: dict[int, RequestOutput] = {}
             try:
-                async for i, out in _merge(streams):
+                async for i, out in _watch(request, _merge(streams)):
                     for c in out.outputs:
                         idx = i * n + c.index
                         prev = sent_text.get(idx)
@@ -211,10 +227,10 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
 
     async def collect():
         finals = {}
-        async for i, out in _merge(streams):
+        async for i, out in _watch(request, _merge(streams)):
             if out.finished:
                 finals[i] = out
-        return [finals[i] for i in range(len(streams))]
+        return [finals[i] for i in range(len(streams))] if len(finals) == len(streams) else None
 
     outs = await _run(request, collect())
     choices = []
@@ -247,9 +263,12 @@ def _stream_error(e: Exception) -> dict:
 
 async def _run(request: Request, coro):
     try:
-        return await _until_disconnect(request, coro)
+        result = await coro
     except ValueError as e:
         raise APIError(400, str(e)) from None
+    if result is None:  # the client left; nobody reads this answer
+        raise APIError(499, "client disconnected")
+    return result
 
 
 # ---------------------------------------------------------------------- chat
@@ -307,7 +326,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                 for i in range(body.n):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-                async for _, out in _merge([stream]):
+                async for _, out in _watch(request, _merge([stream])):
                     for c in out.outputs:
                         prev = sent_text.get(c.index, "")
                         start = sent_tokens.get(c.index, 0)
@@ -334,7 +353,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
         return _streaming(events())
 
     async def collect():
-        async for _, out in _merge([stream]):
+        async for _, out in _watch(request, _merge([stream])):
             if out.finished:
                 return out
 

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible server, driven by the official openai client and raw httpx."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import PROMPTS
+from tests.server_utils import ServerProcess
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--served-model-name", "tiny")
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_models):
+    return LLM(tiny_models["llama"], dtype="float32")
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Parse an SSE body strictly: every event is 'data: ...' followed by a blank line."""
+    raw = response.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    out = []
+    for e in events:
+        assert e.startswith("data: "), e
+        payload = e[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_completion_matches_offline(client, offline):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    ref = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model == "tiny" and r.id.startswith("cmpl-") and r.object == "text_completion"
+
+
+def test_batch_prompts_and_n(client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:3], max_tokens=5, n=2, temperature=0.9, seed=11)
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    again = client.completions.create(model="tiny", prompt=PROMPTS[:3], max_tokens=5, n=2, temperature=0.9, seed=11)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == \
+        [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+
+
+def test_token_prompt_echo_and_logprobs(client, offline):
+    ids = offline.get_tokenizer().encode(PROMPTS[1])
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, logprobs=3, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith(PROMPTS[1])
+    assert len(c.logprobs.tokens) == 4
+    # Keyed by token text, so tokens that decode alike (partial UTF-8 bytes) share an entry.
+    assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+
+
+def test_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "Tell me about blocks"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_logprobs_stop_and_extras(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"top_k": 5, "min_tokens": 6, "ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 2 for t in content)
+    text = r.choices[0].message.content
+    stop = text[2:4]
+    s = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, stop=[stop], extra_body={"min_tokens": 6, "ignore_eos": True})
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].message.content == text[:text.index(stop)]
+
+
+def test_sse_bytes_completions(server):
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_requests_match_offline(server, offline):
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(36)]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+
+    def one(p):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0,
+                                                               "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(36) as pool:
+        texts = list(pool.map(one, prompts))
+    assert texts == [r.outputs[0].text for r in refs]
+
+
+def test_errors_have_openai_shape(server):
+    def check(r, status, kind):
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == kind
+        assert "Traceback" not in err["message"] and "/" not in err["message"].split(" ")[0]
+        return err
+
+    url = server.url
+    check(httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": 5}), 400, "invalid_request_error")
+    check(httpx.post(url + "/v1/completions", json={"max_tokens": 3}), 400, "invalid_request_error")
+    check(httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+          400, "invalid_request_error")
+    err = check(httpx.post(url + "/v1/completions", json={"prompt": "x " * 600, "max_tokens": 10}), 400,
+                "invalid_request_error")
+    assert err["message"].startswith("This model's maximum context length is 512 tokens. However, you requested")
+    check(httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "not_found_error")
+    check(httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "chat_template": "{{ 7 }}"}), 400, "invalid_request_error")
+    check(httpx.post(url + "/v1/completions", content=b"x" * (5 * 2**20), headers={"content-type": "application/json"}),
+          413, "invalid_request_error")
+    check(httpx.get(url + "/nowhere"), 404, "not_found_error")
+    # Unknown fields are ignored, not errors.
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "frobnicate": 1}).status_code == 200
+
+
+def test_models_tokenize_version_openapi(server, offline):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[7]}).json()
+    assert tok["tokens"] == offline.get_tokenizer().encode(PROMPTS[7])
+    detok = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == offline.get_tokenizer().decode(tok["tokens"])
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert "/v1/chat/completions" in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+def test_disconnect_mid_stream_frees_everything(server):
+    body = {"prompt": PROMPTS[3], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert server.metrics()["tokenmill:num_requests_running"] == 1
+    server.wait_metric("tokenmill:num_requests_running", lambda v: v == 0)
+    server.wait_metric("tokenmill:kv_cache_usage_perc", lambda v: v == 0)
+    assert server.metrics()["tokenmill:requests_aborted_total"] >= 1
+
+
+def test_disconnect_non_streaming_aborts(server):
+    body = json.dumps({"prompt": "A", "max_tokens": 500, "n": 32, "temperature": 0, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    server.wait_metric("tokenmill:num_requests_running", lambda v: v > 0)
+    sock.close()  # the client leaves without reading the answer
+    server.wait_metric("tokenmill:num_requests_running", lambda v: v == 0)
+    server.wait_metric("tokenmill:kv_cache_usage_perc", lambda v: v == 0)
+
+
+def test_prefix_cache_reported(server):
+    long_prompt = " ".join(PROMPTS) * 2
+    body = {"prompt": long_prompt, "max_tokens": 2, "temperature": 0}
+    httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    m = server.metrics()
+    assert m["tokenmill:prefix_cache_hits_total"] >= 16
+    assert m["tokenmill:prefix_cache_queries_total"] >= m["tokenmill:prefix_cache_hits_total"]
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_api_key_queue_limit_and_queued_disconnect(default_gguf):
+    # The real model decodes slowly enough here that a long request is still running while others queue.
+    srv = ServerProcess(default_gguf, "--api-key", "s3cret", "--max-num-seqs", "1", "--max-queued-requests", "1")
+    try:
+        url, auth = srv.url, {"Authorization": "Bearer s3cret"}
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.post(url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret").completions.create(model=srv_name(srv), prompt="x",
+                                                                                       max_tokens=1)
+        assert ok.choices
+
+        long = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=long, headers=auth, timeout=60) as running:
+            lines = running.iter_lines()  # keep the iterator: dropping it closes the stream
+            next(lines)  # the one seat is taken
+            # A second request waits in the queue; its client leaves while it is queued.
+            with httpx.stream("POST", url + "/v1/completions", json=long, headers=auth, timeout=60):
+                srv.wait_metric("tokenmill:num_requests_waiting", lambda v: v == 1)
+                # The queue is full: a third is refused at once with Retry-After.
+                start = time.monotonic()
+                r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=auth, timeout=10)
+                assert r.status_code == 429 and "retry-after" in r.headers
+                assert time.monotonic() - start < 2
+            srv.wait_metric("tokenmill:num_requests_waiting", lambda v: v == 0)
+        srv.wait_metric("tokenmill:num_requests_running", lambda v: v == 0)
+        srv.wait_metric("tokenmill:kv_cache_usage_perc", lambda v: v == 0)
+        assert srv.metrics()["tokenmill:requests_rejected_total"] == 1
+    finally:
+        assert srv.stop() == 0
+
+
+def srv_name(srv) -> str:
+    return httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"]
+
+
+def test_sigterm_with_requests_in_flight_exits_zero(tiny_models):
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--shutdown-timeout", "2")
+    results = []
+
+    def long_request():
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 500, "ignore_eos": True},
+                           timeout=30)
+            results.append(r.status_code)
+        except httpx.HTTPError as e:
+            results.append(type(e).__name__)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    srv.wait_metric("tokenmill:num_requests_running", lambda v: v == 1)
+    start = time.monotonic()
+    code = srv.stop(signal.SIGTERM, timeout=20)
+    assert code == 0
+    assert time.monotonic() - start < 10
+    t.join(10)
+    assert results  # the client got an answer or a closed connection, not a hang
+
+
+def test_engine_death_fails_fast_and_exits_nonzero(tiny_models):
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32",
+                        env={"TOKENMILL_INJECT_ENGINE_FAILURE_AFTER_STEPS": "3"})
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 50, "ignore_eos": True},
+                       timeout=10)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        srv.proc.wait(15)
+        assert srv.proc.returncode not in (0, None)
+    finally:
+        srv.stop()
