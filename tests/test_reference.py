@@ -86,3 +86,20 @@ def test_shared_prefixes_reuse_cache_and_match(tiny_models):
     assert [o.outputs[0].token_ids for o in outs] == ref_tokens
     assert sum(o.num_cached_tokens for o in outs) > 0
     assert llm.engine.kv_manager.num_hit_tokens > 0
+
+
+def test_parallel_samples_share_prompt_blocks(tiny_models):
+    """n > 1 and identical prompts arriving together reuse the prompt's blocks, and still match transformers."""
+    folder = tiny_models["qwen3"]
+    llm = LLM(folder, dtype="float32", block_size=4)
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(PROMPTS[5])
+    ref_tokens, _ = hf_greedy(folder, [prompt], 12)
+    params = SamplingParams(n=3, temperature=0, max_tokens=12, min_tokens=12)
+    out = llm.generate([prompt], params)[0]
+    assert [c.token_ids for c in out.outputs] == ref_tokens * 3
+    full_blocks = (len(prompt) - 1) // 4
+    # Children 1 and 2 find the blocks child 0 writes in the same step.
+    assert llm.engine.kv_manager.num_hit_tokens == 2 * full_blocks * 4
+    same = llm.generate([prompt + [5]] * 3, SamplingParams(temperature=0, max_tokens=4))
+    assert all(o.num_cached_tokens >= full_blocks * 4 for o in same[1:])
