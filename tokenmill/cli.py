@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_args(p)
     p.set_defaults(func=cmd_serve)
+
+    from tokenmill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args, engine_kwargs)
     return parser
 
 

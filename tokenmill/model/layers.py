@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.cpu_gemv import linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -82,7 +84,7 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_shard(self, index: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
         start = sum(self.out_sizes[:index])
@@ -94,13 +96,20 @@ class MergedLinear(nn.Module):
             target[start:start + self.out_sizes[index]].copy_(tensor)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose small-batch bf16 products go through the decode kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

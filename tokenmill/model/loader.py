@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
+from tokenmill.kernels import cpu_gemv
 from tokenmill.model import gguf_loader
 from tokenmill.model.hub import resolve_model_path
 from tokenmill.model.layers import RotaryEmbedding
@@ -58,6 +59,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     else:
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        cpu_gemv.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
     with torch.device("meta"):
@@ -73,6 +76,13 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     logger.info("loaded %s (%s, %.1fM parameters, %s) in %.2f s", os.path.basename(path.rstrip("/")),
                 hf_config["architectures"][0], n_params / 1e6, str(dtype).removeprefix("torch."), elapsed)
     return LoadedModel(model, hf_config, tokenizer, generation_config, path, elapsed)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer alone, from a model folder or a .gguf file."""
+    if path.endswith(".gguf"):
+        return gguf_loader.build_tokenizer(gguf_loader._reader(path)) or _transformers_gguf_tokenizer(path)
+    return _hf_tokenizer(path)
 
 
 def _read_json(path: str, required: bool = False) -> dict:

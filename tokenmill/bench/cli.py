@@ -1,0 +1,171 @@
+"""`tokenmill bench throughput | latency | serve | roofline | compare`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from tokenmill.bench.offline import write_json
+
+
+def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
+    bench = sub.add_parser("bench", help="measure throughput, latency, a server under load, the roofline")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    def dataset_args(p, num_prompts: int, with_seed: bool):
+        p.add_argument("--dataset", default="random",
+                       help="random | chat (a synthetic chat-like mix) | PATH.jsonl with a 'prompt' per line")
+        p.add_argument("--num-prompts", type=int, default=num_prompts)
+        p.add_argument("--input-len", default="32-512", help="prompt length range for random, e.g. 32-512")
+        p.add_argument("--output-len", default="32-256", help="output length range, e.g. 32-256")
+        if with_seed:  # engine commands have --seed already, and it seeds the dataset too
+            p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+    p = bsub.add_parser("throughput", help="offline: all requests submitted at once")
+    add_engine_args(p)
+    dataset_args(p, 256, with_seed=False)
+    p.set_defaults(func=lambda a: _throughput(a, engine_kwargs))
+
+    p = bsub.add_parser("latency", help="one batch of fixed shape, repeated after a warm-up")
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=lambda a: _latency(a, engine_kwargs))
+
+    p = bsub.add_parser("serve", help="load-test any OpenAI-compatible server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: none)")
+    p.add_argument("--tokenizer", default=None, help="model whose tokenizer builds chat/jsonl prompts")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrival rate (req/s) or inf")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--goodput", nargs="*", default=None, help="SLOs such as ttft:500 tpot:50 e2el:5000 (ms)")
+    p.add_argument("--vocab-size", type=int, default=49152, help="token id range of random prompts")
+    dataset_args(p, 200, with_seed=True)
+    p.set_defaults(func=_serve)
+
+    p = bsub.add_parser("roofline", help="machine limits and the model's share of them")
+    add_engine_args(p)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=500)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=lambda a: _roofline(a, engine_kwargs))
+
+    p = bsub.add_parser("compare", help="tokenmill against transformers (and llama.cpp when installed)")
+    add_engine_args(p)
+    p.add_argument("--workloads", default="decode,prefill,throughput")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=500)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", default="32-512")
+    p.add_argument("--output-len", default="32-256")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="transformers' static batch (default: swept)")
+    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--plot", default=None, help="PNG of throughput against latency over a concurrency sweep")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=lambda a: _compare(a, engine_kwargs))
+
+
+def _llm(args, engine_kwargs):
+    from tokenmill import LLM
+
+    return LLM(**engine_kwargs(args))
+
+
+def _throughput(args, engine_kwargs) -> int:
+    from tokenmill.bench.offline import build_requests, print_throughput, run_throughput
+
+    llm = _llm(args, engine_kwargs)
+    reqs = build_requests(args, llm)
+    run_throughput(llm, reqs[: min(8, len(reqs))])  # warm-up
+    result = run_throughput(llm, reqs)
+    print_throughput(result)
+    write_json(args.json, result)
+    return 0
+
+
+def _latency(args, engine_kwargs) -> int:
+    from tokenmill.bench.offline import print_latency, run_latency
+
+    llm = _llm(args, engine_kwargs)
+    result = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.iters, args.warmup)
+    print_latency(result)
+    write_json(args.json, result)
+    return 0
+
+
+def _serve(args) -> int:
+    from tokenmill.bench.datasets import chat_requests, jsonl_requests, parse_range, random_requests
+    from tokenmill.bench.serve import parse_goodput, print_summary, run_load, summarize
+
+    out_range = parse_range(args.output_len)
+    if args.dataset == "random":
+        reqs = random_requests(args.num_prompts, parse_range(args.input_len), out_range, args.vocab_size, args.seed)
+    else:
+        from tokenmill.model.hub import resolve_model_path
+        from tokenmill.model.loader import load_tokenizer
+
+        tok = load_tokenizer(resolve_model_path(args.tokenizer))
+        reqs = (chat_requests(args.num_prompts, tok, out_range, args.seed) if args.dataset == "chat"
+                else jsonl_requests(args.dataset, tok, out_range, args.num_prompts, args.seed))
+    goodput = parse_goodput(args.goodput)
+    results, elapsed = asyncio.run(run_load(args.base_url, reqs, args.request_rate, args.max_concurrency,
+                                            args.model, args.api_key, args.seed))
+    summary = summarize(results, elapsed, goodput)
+    print_summary(summary)
+    write_json(args.json, summary)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def _roofline(args, engine_kwargs) -> int:
+    from tokenmill.bench.roofline import print_roofline, run_roofline
+
+    result = run_roofline(_llm(args, engine_kwargs), args.context, args.prefill_len)
+    print_roofline(result)
+    write_json(args.json, result)
+    return 0
+
+
+def _compare(args, engine_kwargs) -> int:
+    from tokenmill.bench import compare
+    from tokenmill.bench.datasets import parse_range
+
+    args.input_range, args.output_range = parse_range(args.input_len), parse_range(args.output_len)
+    llm = _llm(args, engine_kwargs)
+    path, dtype, vocab = llm.engine.loaded.path, llm.engine.dtype, llm.engine.vocab_size
+    runners = [compare.TokenmillRunner(llm), compare.TransformersRunner(path, dtype)]
+    if not args.no_llama_cpp and path.endswith(".gguf") and compare.llama_cpp_available():
+        import torch
+
+        runners.append(compare.LlamaCppRunner(path, torch.get_num_threads()))
+    results = {}
+    for workload in args.workloads.split(","):
+        if workload == "throughput":
+            hf = runners[1]
+            hf.batch_size = args.hf_batch_size or compare.best_static_batch(path, dtype, vocab, args)
+            subset = [r for r in runners if r.name != "llama.cpp"]  # one request at a time: not comparable here
+            figures = compare.measure(subset, workload, vocab, args.repeats, args)
+            hf.batch_size = 1
+        else:
+            figures = compare.measure(runners, workload, vocab, args.repeats, args)
+        results[workload] = figures
+        base = figures["tokenmill"]
+        unit = "output tok/s" if workload != "prefill" else "prompt tok/s"
+        print(f"{workload}: " + ", ".join(
+            f"{name} {value:.1f} {unit}" + ("" if name == "tokenmill" else f" (tokenmill {base / value:.2f}x)")
+            for name, value in figures.items()))
+    if args.plot:
+        from tokenmill.bench.plot import concurrency_sweep_plot
+
+        concurrency_sweep_plot(llm, runners[1], args, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dtype": str(dtype), "results": results}, f, indent=2)
+    return 0

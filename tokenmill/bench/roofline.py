@@ -1,0 +1,119 @@
+"""`bench roofline`: this machine's limits, and how close the model's decode and prefill come to them.
+
+Decode reads every weight (and the KV cache) once per token, so tokens/s <= bandwidth / bytes per token.
+Prefill does 2 x parameters FLOPs per token, so tokens/s <= matmul FLOP/s / (2 x parameters).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def memory_bandwidth(repeats: int = 7, size_bytes: int = 1 << 30) -> float:
+    """Read bandwidth in bytes/s: best time to reduce a buffer far larger than the caches."""
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)
+    return size_bytes / _best(lambda: x.sum(), repeats)
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best(lambda: a @ b, repeats)
+
+
+def weight_bytes(model) -> int:
+    """Bytes read per decoded token: every weight, the embedding only where it is also the output layer."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight" and model.lm_head is not None:
+            total += p.shape[1] * p.element_size()  # one row looked up
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def matmul_params(model) -> int:
+    """Parameters in matrix multiplications per token (the output layer included)."""
+    n = 0
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and (name != "embed_tokens.weight" or model.lm_head is None):
+            n += p.numel()
+    return n
+
+
+def decode_tokens_per_s(llm, context: int = 128, new_tokens: int = 128, repeats: int = 5) -> float:
+    """Batch-1 decode speed: tokens after the first over the time after the first token (median)."""
+    vocab = llm.engine.vocab_size
+    rates = []
+    for i in range(repeats + 1):
+        prompt = [(1000 + 7 * j + i) % vocab for j in range(context)]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                           use_tqdm=False)[0]
+        m = out.metrics
+        if i:
+            rates.append((new_tokens - 1) / (m.finished_time - m.first_token_time))
+    return statistics.median(rates)
+
+
+def prefill_tokens_per_s(llm, prompt_len: int = 500, repeats: int = 5) -> float:
+    vocab = llm.engine.vocab_size
+    rates = []
+    for i in range(repeats + 1):
+        llm.engine.reset_prefix_cache()
+        prompt = [(2000 + 13 * j + i) % vocab for j in range(prompt_len)]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        m = out.metrics
+        if i:
+            rates.append(prompt_len / (m.first_token_time - m.arrival_time))
+    return statistics.median(rates)
+
+
+def run_roofline(llm, context: int = 128, prompt_len: int = 500) -> dict:
+    engine = llm.engine
+    model = engine.model
+    bw = memory_bandwidth()
+    flops = matmul_flops(engine.dtype)
+    kv_per_token = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim * \
+        torch.finfo(engine.dtype).bits // 8
+    bytes_per_token = weight_bytes(model) + kv_per_token * (context + 64)  # mid-generation context
+    decode = decode_tokens_per_s(llm, context)
+    prefill = prefill_tokens_per_s(llm, prompt_len)
+    flops_per_token = 2 * matmul_params(model)
+    return {
+        "dtype": str(engine.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "memory_bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": flops / 1e9,
+        "decode_tokens_per_s": decode, "decode_bytes_per_token_MB": bytes_per_token / 1e6,
+        "decode_achieved_GBps": decode * bytes_per_token / 1e9,
+        "decode_roofline_tokens_per_s": bw / bytes_per_token,
+        "decode_pct_of_roofline": 100 * decode * bytes_per_token / bw,
+        "prefill_tokens_per_s": prefill, "prefill_prompt_len": prompt_len,
+        "prefill_achieved_GFLOPs": prefill * flops_per_token / 1e9,
+        "prefill_roofline_tokens_per_s": flops / flops_per_token,
+        "prefill_pct_of_roofline": 100 * prefill * flops_per_token / flops,
+    }
+
+
+def print_roofline(r: dict) -> None:
+    print(f"machine: memory bandwidth {r['memory_bandwidth_GBps']:.1f} GB/s, {r['dtype']} matmul "
+          f"{r['matmul_GFLOPs']:.0f} GFLOP/s ({r['threads']} threads)")
+    print(f"decode (batch 1): {r['decode_tokens_per_s']:.1f} tok/s, {r['decode_bytes_per_token_MB']:.1f} MB read per "
+          f"token -> {r['decode_achieved_GBps']:.1f} GB/s = {r['decode_pct_of_roofline']:.0f}% of the bandwidth "
+          f"roofline ({r['decode_roofline_tokens_per_s']:.1f} tok/s)")
+    print(f"prefill ({r['prefill_prompt_len']} tokens): {r['prefill_tokens_per_s']:.1f} tok/s -> "
+          f"{r['prefill_achieved_GFLOPs']:.0f} GFLOP/s = {r['prefill_pct_of_roofline']:.0f}% of the matmul roofline "
+          f"({r['prefill_roofline_tokens_per_s']:.0f} tok/s)")
