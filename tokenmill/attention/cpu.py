@@ -27,18 +27,9 @@ class TorchSDPABackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale, window):
-        bt = meta.decode_block_tables  # [B, nb]
-        bsz, nb = bt.shape
-        bs = meta.block_size
-        slots = (bt.unsqueeze(-1) * bs + torch.arange(bs, device=bt.device)).reshape(bsz, nb * bs)
-        keys = k_cache[slots].transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache[slots].transpose(1, 2)
-        pos = torch.arange(nb * bs, device=bt.device)
-        lens = meta.decode_seq_lens.unsqueeze(1)
-        mask = pos < lens
-        if window is not None:
-            mask &= pos >= lens - window
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+        values = v_cache[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         return o.squeeze(2)
 

@@ -35,33 +35,31 @@ static inline uint16_t to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
-// y[m, n] = sum_k x[m, k] * w[n, k] for up to 4 rows m, 4 weight rows per inner block.
+// y[m, n] = sum_k x[m, k] * w[n, k] for MB input rows against R weight rows at a time. More weight rows
+// in flight keep more cache lines in transit, which a single core needs to approach memory bandwidth.
+template <int MB, int R>
 static void block(const uint16_t* x, int64_t rows, const uint16_t* w, int64_t K, int64_t n0, int64_t n1,
                   uint16_t* y, int64_t N) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    __m512 acc[4][4];
-    for (int m = 0; m < 4; ++m)
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t* w0 = w + (n + 0) * K;
-    const uint16_t* w1 = w + (n + 1) * K;
-    const uint16_t* w2 = w + (n + 2) * K;
-    const uint16_t* w3 = w + (n + 3) * K;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[MB][R];
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    const uint16_t* wr = w + n * K;
     for (int64_t k = 0; k < K; k += 32) {
-      __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + k);
-      __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + k);
-      __m512bh b2 = (__m512bh)_mm512_loadu_si512(w2 + k);
-      __m512bh b3 = (__m512bh)_mm512_loadu_si512(w3 + k);
-      for (int m = 0; m < rows; ++m) {
+      __m512bh b[R];
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + r * K + k) + 1024, _MM_HINT_T0);
+        b[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
+      }
+      for (int m = 0; m < MB; ++m) {
+        if (m >= rows) break;
         __m512bh a = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
-        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
-        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
-        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], a, b[r]);
       }
     }
     for (int m = 0; m < rows; ++m)
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = to_bf16(hsum(acc[m][r]));
+      for (int r = 0; r < R; ++r) y[m * N + n + r] = to_bf16(hsum(acc[m][r]));
   }
   for (; n < n1; ++n) {  // a last partial group of weight rows
     for (int m = 0; m < rows; ++m) {
@@ -85,13 +83,15 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // Split the weight rows (in groups of 4) across threads; each thread streams its rows once per 4 inputs.
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t g0, int64_t g1) {
-    const int64_t n0 = g0 * 4, n1 = std::min(N, g1 * 4);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - m0);
-      block(xp + m0 * K, rows, wp, K, n0, n1, yp + m0 * N, N);
+  // Split the weight rows across threads; each thread streams its rows once per pass over the inputs.
+  at::parallel_for(0, (N + 7) / 8, 8, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
+    if (M <= 2) {
+      block<2, 8>(xp, M, wp, K, n0, n1, yp, N);
+      return;
     }
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      block<4, 4>(xp + m0 * K, std::min<int64_t>(4, M - m0), wp, K, n0, n1, yp + m0 * N, N);
   });
   return y;
 }
@@ -124,7 +124,7 @@ def load() -> object | None:
         from torch.utils.cpp_extension import load_inline
 
         _module = load_inline(
-            name="tokenmill_cpu_gemv", cpp_sources=_SOURCE, functions=["gemv_bf16"],
+            name="tokenmill_cpu_gemv_v2", cpp_sources=_SOURCE, functions=["gemv_bf16"],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers: the torch path still works
