@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.kernels import cpu_gemv
+from tokenmill.kernels import cpu as cpu_kernels
 
-kernel = cpu_gemv.load()
+kernel = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="needs AVX-512 BF16 and a C++ compiler")
 
 
@@ -29,6 +29,56 @@ def test_linear_dispatch_and_bias():
     w = torch.randn(16, 64).bfloat16()
     b = torch.randn(16).bfloat16()
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    assert torch.allclose(cpu_gemv.linear(x, w, b).float(), ref, rtol=2 ** -6, atol=0.05)
-    big = torch.randn(cpu_gemv.MAX_ROWS + 1, 64).bfloat16()  # falls back to torch, same answer
-    assert torch.allclose(cpu_gemv.linear(big, w).float(), big.float() @ w.float().t(), rtol=2 ** -6, atol=0.05)
+    assert torch.allclose(cpu_kernels.linear(x, w, b).float(), ref, rtol=2 ** -6, atol=0.05)
+    big = torch.randn(cpu_kernels.MAX_ROWS + 1, 64).bfloat16()  # falls back to torch, same answer
+    assert torch.allclose(cpu_kernels.linear(big, w).float(), big.float() @ w.float().t(), rtol=2 ** -6, atol=0.05)
+
+
+def _paged_case(dtype, window):
+    g = torch.Generator().manual_seed(7)
+    b, h, kvh, d, bs, blocks = 5, 9, 3, 64, 4, 48
+    k_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    lens = torch.tensor([1, 7, 16, 29, 33])
+    perm = torch.randperm(blocks, generator=g)
+    width = 9
+    bt = perm[: b * width].reshape(b, width)  # scattered, non-contiguous blocks
+    return q, k_cache, v_cache, bt, lens, bs, window
+
+
+def _dense_reference(q, k_cache, v_cache, bt, lens, bs, window, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        n = int(lens[i])
+        pos = torch.arange(n)
+        slots = bt[i][pos // bs] * bs + pos % bs
+        keys, values = k_cache[slots].double(), v_cache[slots].double()  # [n, KVH, D]
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), keys) * scale
+        if window:
+            scores[:, : max(0, n - window)] = float("-inf")
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_attention_kernel_and_fallback(dtype, window, monkeypatch):
+    from tokenmill.attention.backend import AttentionMetadata
+    from tokenmill.attention.cpu import TorchSDPABackend
+
+    q, kc, vc, bt, lens, bs, window = _paged_case(dtype, window)
+    scale = 64 ** -0.5
+    ref = _dense_reference(q, kc, vc, bt, lens, bs, window, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    out = kernel.paged_decode_attention(q, kc, vc, bt, lens, bs, scale, window or 0)
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol)
+    # The portable path (used where the kernels cannot be built) agrees too.
+    meta = AttentionMetadata(slot_mapping=torch.tensor([], dtype=torch.long), query_start_loc=[], seq_lens=[],
+                             num_decodes=q.shape[0], decode_block_tables=bt, decode_seq_lens=lens,
+                             block_tables=[], block_size=bs)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    fallback = TorchSDPABackend._decode(q, kc, vc, meta, scale, window)
+    assert torch.allclose(fallback.double(), ref, atol=tol, rtol=tol)

@@ -72,27 +72,19 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(len(ids))
         dev = self.device
-        decode_slots = decode_mask = None
+        decode_bt = decode_lens = None
         if num_decodes:
-            # Every layer gathers the same slots under the same mask: build them once per step.
             width = max(len(s.request.block_ids) for s in items[:num_decodes])
-            bt = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids))
-                               for s in items[:num_decodes]], dtype=torch.long, device=dev)
-            decode_slots = (bt.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(num_decodes, width * bs)
-            lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=dev).unsqueeze(1)
-            key_pos = torch.arange(width * bs, device=dev)
-            decode_mask = key_pos < lens
-            window = self.model.config.sliding_window
-            if window is not None:
-                decode_mask &= key_pos >= lens - window
-            decode_mask = decode_mask[:, None, None, :]
+            decode_bt = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids))
+                                      for s in items[:num_decodes]], dtype=torch.long, device=dev)
+            decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=query_start,
             seq_lens=seq_lens,
             num_decodes=num_decodes,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_block_tables=decode_bt,
+            decode_seq_lens=decode_lens,
             block_tables=[None] * num_decodes + [torch.tensor(s.request.block_ids, dtype=torch.long, device=dev)
                                                  for s in items[num_decodes:]],
             block_size=bs,

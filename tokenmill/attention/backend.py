@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,10 +19,12 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_reqs + 1] offsets of each request's tokens
     seq_lens: list[int]  # [num_reqs] context length after this step
     num_decodes: int  # the first num_decodes requests have exactly one new token
-    decode_slots: torch.Tensor | None  # [num_decodes, max_blocks * block_size] cache slots to gather
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True where attended
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] padded with 0
+    decode_seq_lens: torch.Tensor | None  # [num_decodes]
     block_tables: list[torch.Tensor]  # per request, its block ids (for the prefill path)
     block_size: int
+    # Filled by a backend on the first layer and reused by the others (gather indices, masks).
+    cache: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

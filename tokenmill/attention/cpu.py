@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.kernels import cpu as cpu_kernels
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -27,11 +28,29 @@ class TorchSDPABackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale, window):
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+        kernels = cpu_kernels.load() if q.device.type == "cpu" else None
+        if kernels is not None and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0:
+            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                                  meta.block_size, scale, window or 0)
+        # Portable path: gather each request's keys and values, then two batched matmuls.
+        if "decode_slots" not in meta.cache:  # the same for every layer: built once per step
+            bt, bs = meta.decode_block_tables, meta.block_size
+            slots = (bt.unsqueeze(-1) * bs + torch.arange(bs, device=bt.device)).reshape(bt.shape[0], -1)
+            pos = torch.arange(slots.shape[1], device=bt.device)
+            lens = meta.decode_seq_lens.unsqueeze(1)
+            masked = pos >= lens
+            if window is not None:
+                masked |= pos < lens - window
+            meta.cache["decode_slots"], meta.cache["decode_masked"] = slots, masked[:, None, None, :]
+        b, h, d = q.shape
+        keys = k_cache[meta.cache["decode_slots"]]  # [B, L, KVH, D]
+        values = v_cache[meta.cache["decode_slots"]]
+        kvh = keys.shape[2]
+        qg = q.view(b, kvh, h // kvh, d)  # query heads grouped by the KV head they share
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, KVH, G, L]
+        scores.masked_fill_(meta.cache["decode_masked"], float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        return torch.matmul(probs, values.transpose(1, 2)).reshape(b, h, d)
 
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, block_table, seq_len, bs, scale, window):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.cpu_gemv import linear
+from tokenmill.kernels.cpu import linear
 
 
 class RMSNorm(nn.Module):

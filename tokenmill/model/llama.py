@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.kernels.cpu_gemv import linear
+from tokenmill.kernels.cpu import linear
 from tokenmill.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
 

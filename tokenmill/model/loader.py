@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.kernels import cpu_gemv
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model import gguf_loader
 from tokenmill.model.hub import resolve_model_path
 from tokenmill.model.layers import RotaryEmbedding
@@ -59,8 +59,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     else:
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
-    if dtype == torch.bfloat16 and device.type == "cpu":
-        cpu_gemv.load()  # compiled once per machine, cached by torch
+    if device.type == "cpu":
+        cpu_kernels.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
     with torch.device("meta"):
