@@ -173,13 +173,16 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         self._extend_hashes(req)
-        for i in range(min(num_tokens // self.block_size, len(req.block_hashes))):
+        full = min(num_tokens // self.block_size, len(req.block_hashes))
+        for i in range(req.num_cached_blocks, full):
             self.pool.cache(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def free(self, req: Request) -> None:
         """Release a finished, aborted or preempted request's blocks, tail first so prefixes outlive tails."""
         self.pool.release([self.pool.blocks[i] for i in reversed(req.block_ids)])
         req.block_ids = []
+        req.num_cached_blocks = 0
 
     def usage(self) -> float:
         return self.pool.usage()

@@ -42,6 +42,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first scheduling; -1 before
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list = field(default_factory=list)  # of full blocks, filled by the KV cache manager
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     # Sampled-token logprobs and the prompt's, accumulated for the output.
