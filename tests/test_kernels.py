@@ -65,11 +65,13 @@ def _dense_reference(q, k_cache, v_cache, bt, lens, bs, window, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_attention_kernel_and_fallback(dtype, window, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 5])  # one request splits its heads across cores; five do not
+def test_paged_decode_attention_kernel_and_fallback(dtype, window, batch, monkeypatch):
     from tokenmill.attention.backend import AttentionMetadata
     from tokenmill.attention.cpu import TorchSDPABackend
 
     q, kc, vc, bt, lens, bs, window = _paged_case(dtype, window)
+    q, bt, lens = q[-batch:], bt[-batch:], lens[-batch:]
     scale = 64 ** -0.5
     ref = _dense_reference(q, kc, vc, bt, lens, bs, window, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

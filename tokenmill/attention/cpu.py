@@ -29,7 +29,7 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale, window):
         kernels = cpu_kernels.load() if q.device.type == "cpu" else None
-        if kernels is not None and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0:
+        if kernels is not None and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0 and q.shape[-1] <= 128:
             return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                                   meta.block_size, scale, window or 0)
         # Portable path: gather each request's keys and values, then two batched matmuls.

@@ -43,7 +43,8 @@ class AsyncEngine:
         self.log_interval = log_interval
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds = 0
+        self._pending_adds = 0  # requests handed over but not yet seen by the engine thread
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
@@ -81,7 +82,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine has stopped after an internal error")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._pending_adds += 1
+        self._count_pending(+1)
         self._commands.put(("add", request_id, prompt, prompt_token_ids, params, time.time()))
         finished = False
         try:
@@ -97,6 +98,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def _count_pending(self, delta: int) -> None:
+        with self._pending_lock:  # updated from the event loop and the engine thread
+            self._pending_adds += delta
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -154,7 +159,7 @@ class AsyncEngine:
             except queue.Empty:
                 continue
             if cmd[0] == "add":
-                self._pending_adds -= 1
+                self._count_pending(-1)
                 stream = self._streams.get(cmd[1])
                 if stream is not None:
                     stream.put(dead)
@@ -175,7 +180,7 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, ids, params, arrival = cmd
-            self._pending_adds -= 1
+            self._count_pending(-1)
             stream = self._streams.get(rid)
             if stream is None:  # the client left before the engine saw the request
                 return

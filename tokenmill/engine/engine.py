@@ -31,8 +31,6 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, None)
-        if config.device in (None, "auto") and self.device.type == "cpu":
-            torch.set_num_threads(max(1, torch.get_num_threads()))
         self.loaded = load_model(config.model, self.dtype, self.device, TorchSDPABackend(),
                                  max_positions=config.max_model_len)
         self.model = self.loaded.model

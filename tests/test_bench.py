@@ -1,0 +1,59 @@
+"""The benchmark tools count what they claim to count (no timing is asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.server_utils import ServerProcess
+from tokenmill import LLM
+from tokenmill.bench.datasets import chat_requests, parse_range, percentiles, random_requests
+from tokenmill.bench.offline import run_latency, run_throughput
+from tokenmill.bench.serve import RequestResult, parse_goodput, run_load, summarize
+
+
+def test_offline_throughput_and_latency_count_tokens(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    reqs = random_requests(10, (3, 20), (2, 9), llm.engine.vocab_size, seed=3)
+    r = run_throughput(llm, reqs)
+    assert r["output_tokens"] == sum(q.output_len for q in reqs)
+    assert r["input_tokens"] == sum(len(q.prompt_ids) for q in reqs)
+    lat = run_latency(llm, batch_size=3, input_len=8, output_len=5, iters=2, warmup=1)
+    assert lat["ttft_s"]["p50"] <= lat["e2e_s"]["p50"] and lat["tpot_s"]["mean"] > 0
+
+
+def test_chat_dataset_uses_template(tiny_models):
+    tok = LLM(tiny_models["qwen3"], dtype="float32").get_tokenizer()
+    reqs = chat_requests(4, tok, (5, 5), seed=1)
+    assert all(r.prompt_text.endswith("<|im_start|>assistant\n") and r.output_len == 5 for r in reqs)
+
+
+@pytest.mark.slow
+def test_bench_serve_against_a_real_server(tiny_models):
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32")
+    try:
+        reqs = random_requests(12, (4, 30), (3, 8), 400, seed=5)
+        results, elapsed = asyncio.run(run_load(srv.url, reqs, request_rate=50.0, max_concurrency=4,
+                                                show_progress=False))
+        s = summarize(results, elapsed, goodput={"ttft": 60_000, "e2el": 60_000})
+        assert s["completed"] == 12 and s["failed"] == 0
+        assert s["total_output_tokens"] == sum(r.output_len for r in reqs)
+        assert s["goodput"] == pytest.approx(s["request_throughput"])
+        assert s["ttft_ms"]["p50"] <= s["e2el_ms"]["p50"]
+    finally:
+        assert srv.stop() == 0
+
+
+def test_summary_definitions():
+    ok = RequestResult(ok=True, prompt_len=5, output_tokens=11, ttft=0.5, e2e=1.5, itl=[0.1] * 10)
+    assert ok.tpot == pytest.approx(0.1)  # (e2e - ttft) / (output tokens - 1)
+    bad = RequestResult(ok=False, prompt_len=5, error="HTTP 500")
+    s = summarize([ok, bad], elapsed=2.0, goodput={"tpot": 50})
+    assert s["completed"] == 1 and s["failed"] == 1 and s["goodput"] == 0.0  # 100 ms TPOT misses 50 ms
+    assert s["output_throughput"] == pytest.approx(5.5)
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+    with pytest.raises(ValueError):
+        parse_range("9-3")
+    assert percentiles([1.0, 2.0, 3.0])["p50"] == 2.0
