@@ -150,6 +150,7 @@ def _compare(args, engine_kwargs) -> int:
         if workload == "throughput":
             hf = runners[1]
             hf.batch_size = args.hf_batch_size or compare.best_static_batch(path, dtype, vocab, args)
+            print(f"transformers static batch size: {hf.batch_size}")
             subset = [r for r in runners if r.name != "llama.cpp"]  # one request at a time: not comparable here
             figures = compare.measure(subset, workload, vocab, args.repeats, args)
             hf.batch_size = 1
