@@ -137,8 +137,19 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
+def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
+    """SSE response: the events, an error event if they fail midway, then [DONE]."""
+    async def framed():
+        try:
+            async for event in events:
+                yield event
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            yield _sse(_stream_error(e))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(framed(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -195,33 +206,27 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
             sent_text = {}
             sent_tokens = {}
             final: dict[int, RequestOutput] = {}
-            try:
-                async for i, out in _watch(request, _merge(streams)):
-                    for c in out.outputs:
-                        idx = i * n + c.index
-                        prev = sent_text.get(idx)
-                        text = c.text
-                        echo = ""
-                        if prev is None and body.echo:
-                            echo = encoded[i][0] if encoded[i][0] is not None else tok.decode(encoded[i][1])
-                        delta = echo + text[len(prev or ""):]
-                        start = sent_tokens.get(idx, 0)
-                        if not delta and c.finish_reason is None and len(c.token_ids) == start:
-                            continue
-                        sent_text[idx], sent_tokens[idx] = text, len(c.token_ids)
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                                    "choices": [{"index": idx, "text": delta, "logprobs": choice_logprobs(c, start, 0),
-                                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-                    if out.finished:
-                        final[i] = out
-                if include_usage:
+            async for i, out in _watch(request, _merge(streams)):
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    prev = sent_text.get(idx)
+                    text = c.text
+                    echo = ""
+                    if prev is None and body.echo:
+                        echo = encoded[i][0] if encoded[i][0] is not None else tok.decode(encoded[i][1])
+                    delta = echo + text[len(prev or ""):]
+                    start = sent_tokens.get(idx, 0)
+                    if not delta and c.finish_reason is None and len(c.token_ids) == start:
+                        continue
+                    sent_text[idx], sent_tokens[idx] = text, len(c.token_ids)
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                                "choices": [], "usage": _usage_of(final.values())})
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                yield _sse(_stream_error(e))
-            yield "data: [DONE]\n\n"
+                                "choices": [{"index": idx, "text": delta, "logprobs": choice_logprobs(c, start, 0),
+                                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                if out.finished:
+                    final[i] = out
+            if include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                            "choices": [], "usage": _usage_of(final.values())})
 
         return _streaming(events())
 
@@ -322,33 +327,27 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             sent_tokens: dict[int, int] = {}
             finished: set[int] = set()
             final = None
-            try:
-                for i in range(body.n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                async for _, out in _watch(request, _merge([stream])):
-                    for c in out.outputs:
-                        prev = sent_text.get(c.index, "")
-                        start = sent_tokens.get(c.index, 0)
-                        delta = c.text[len(prev):]
-                        if delta or len(c.token_ids) > start:
-                            sent_text[c.index], sent_tokens[c.index] = c.text, len(c.token_ids)
-                            if delta or body.logprobs:
-                                yield chunk([{"index": c.index, "delta": {"content": delta},
-                                              "logprobs": logprob_entries(c, start), "finish_reason": None}])
-                        if c.finish_reason is not None and c.index not in finished:
-                            finished.add(c.index)
-                            yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-                    if out.finished:
-                        final = out
-                if include_usage and final is not None:
-                    yield chunk([], _usage_of([final]))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                yield _sse(_stream_error(e))
-            yield "data: [DONE]\n\n"
+            for i in range(body.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for _, out in _watch(request, _merge([stream])):
+                for c in out.outputs:
+                    prev = sent_text.get(c.index, "")
+                    start = sent_tokens.get(c.index, 0)
+                    delta = c.text[len(prev):]
+                    if delta or len(c.token_ids) > start:
+                        sent_text[c.index], sent_tokens[c.index] = c.text, len(c.token_ids)
+                        if delta or body.logprobs:
+                            yield chunk([{"index": c.index, "delta": {"content": delta},
+                                          "logprobs": logprob_entries(c, start), "finish_reason": None}])
+                    if c.finish_reason is not None and c.index not in finished:
+                        finished.add(c.index)
+                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                if out.finished:
+                    final = out
+            if include_usage and final is not None:
+                yield chunk([], _usage_of([final]))
 
         return _streaming(events())
 
