@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -82,8 +82,6 @@ class EngineConfig:
     block_size: int = 16
     seed: int = 0
     enable_prefix_caching: bool = True
-    trust_remote_code: bool = False  # accepted for familiarity; only built-in architectures run
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -61,4 +61,3 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)

@@ -70,10 +70,6 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_waiting + self._pending_adds
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -6,7 +6,6 @@ import logging
 import time
 from typing import Sequence
 
-import torch
 
 from tokenmill.attention.cpu import TorchSDPABackend
 from tokenmill.config import EngineConfig, resolve_device, resolve_dtype

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -112,7 +112,3 @@ class DetokenizeRequest(_Body):
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
-                    "server_error", "service_unavailable"]
