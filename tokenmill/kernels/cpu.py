@@ -120,12 +120,15 @@ static void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < NH; ++h)
     for (int64_t j = 0; j < DV; ++j) qv[h * DV + j] = _mm512_mul_ps(load16(q + (b * H + kh0 * G + h) * D + j * 16), sc);
+  // Token t of request b lives in cache slot block_table[t / bs] * bs + t % bs; load one head's row of it.
+  auto load_head = [&](const T* cache, int64_t t, int64_t kh, __m512* row) {
+    const T* p = cache + ((bt[b * nb + t / bs] * bs + t % bs) * KVH + kh) * D;
+    for (int64_t j = 0; j < DV; ++j) row[j] = load16(p + j * 16);
+  };
   for (int64_t t = start; t < len; ++t) {
-    const int64_t slot = bt[b * nb + t / bs] * bs + t % bs;
     for (int64_t kh = kh0; kh < kh1; ++kh) {
-      const T* k = kc + (slot * KVH + kh) * D;
       __m512 kv[8];
-      for (int64_t j = 0; j < DV; ++j) kv[j] = load16(k + j * 16);
+      load_head(kc, t, kh, kv);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = (kh - kh0) * G + g;
         __m512 s = _mm512_mul_ps(qv[h * DV], kv[0]);
@@ -152,11 +155,9 @@ static void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
     for (j = 0; j < n; ++j) row[j] *= inv;
   }
   for (int64_t t = start; t < len; ++t) {
-    const int64_t slot = bt[b * nb + t / bs] * bs + t % bs;
     for (int64_t kh = kh0; kh < kh1; ++kh) {
-      const T* v = vc + (slot * KVH + kh) * D;
       __m512 vv[8];
-      for (int64_t j = 0; j < DV; ++j) vv[j] = load16(v + j * 16);
+      load_head(vc, t, kh, vv);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = (kh - kh0) * G + g;
         const __m512 p = _mm512_set1_ps(scores[h * n + (t - start)]);
@@ -270,7 +271,7 @@ def load() -> object | None:
         from torch.utils.cpp_extension import load_inline
 
         _module = load_inline(
-            name="tokenmill_cpu_kernels_v4", cpp_sources=_SOURCE, functions=["gemv_bf16", "paged_decode_attention"],
+            name="tokenmill_cpu_kernels_v5", cpp_sources=_SOURCE, functions=["gemv_bf16", "paged_decode_attention"],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers: the torch path still works
