@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import ARCHS, PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu as cpu_kernels
 
 MAX_NEW = 32
 
@@ -103,3 +104,45 @@ def test_parallel_samples_share_prompt_blocks(tiny_models):
     assert llm.engine.kv_manager.num_hit_tokens == 2 * full_blocks * 4
     same = llm.generate([prompt + [5]] * 3, SamplingParams(temperature=0, max_tokens=4))
     assert all(o.num_cached_tokens >= full_blocks * 4 for o in same[1:])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
+def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused):
+    """bf16 (fused whole-step decode where the CPU kernels run, and module by module) against transformers
+    in float32, teacher-forced on our own tokens: each chosen token is the reference's greedy choice up to
+    bf16 rounding, and its logprob agrees with the reference's."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models[arch]
+    llm = LLM(folder, dtype="bfloat16", seed=0, kv_cache_memory=1 << 22)
+    model = llm.engine.model
+    model.use_fused_decode = fused
+    used = []
+    pick = model._fused_decoder
+    model._fused_decoder = lambda *a: used.append(pick(*a)) or used[-1]
+    tok = llm.get_tokenizer()
+    # 11 requests: decode batches above 8 rows take torch's GEMM inside the fused step.
+    prompt_ids = [tok.encode(p) for p in PROMPTS + [p + " again" for p in PROMPTS[:3]]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=1)
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    fused_steps = sum(f is not None for f in used)
+    if fused and cpu_kernels.load() is not None:
+        assert fused_steps > MAX_NEW // 2, "decode-only steps should run fused"
+    else:
+        assert fused_steps == 0
+
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    lp_err, gaps = [], []
+    for ids, out in zip(prompt_ids, outs):
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            lps = ref(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
+        for j, t in enumerate(gen[1:], start=1):  # the decode steps (the first token comes from prefill)
+            ref_lp = lps[len(ids) + j - 1]
+            gaps.append(float(ref_lp.max() - ref_lp[t]))
+            lp_err.append(abs(out.outputs[0].logprobs[j][t].logprob - float(ref_lp[t])))
+    # bf16 rounding moves these tiny random models' logprobs by ~0.02 nats on average (either path);
+    # a wrong operation (a rotary left out, say) moves them by 1-2.5 nats on average.
+    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < 0.5, (sum(lp_err) / len(lp_err), max(lp_err))
+    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels.cpu import linear
 from tokenmill.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -129,9 +130,52 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for a flat batch; K/V of the new tokens are written to kv_caches."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        fused = self._fused_decoder(x, kv_caches, meta)
+        if fused is not None:
+            cos, sin = rope
+            return fused.forward(x, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, meta.decode_block_tables,
+                                 meta.decode_seq_lens)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
+
+    # ------------------------------------------------------------------ fused decode
+    use_fused_decode = True  # False keeps every step on the module-by-module path
+
+    def _fused_decoder(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
+        """The compiled whole-step decoder when this step is decode only, bf16 on a CPU that runs it; else None."""
+        if not (self.use_fused_decode and meta.num_reqs and meta.num_decodes == meta.num_reqs
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+            return None
+        key = (id(kv_caches), kv_caches[0][0].data_ptr(), meta.block_size)
+        cached = getattr(self, "_fused", None)
+        if cached is None or cached[0] != key:
+            cached = (key, self._build_fused_decoder(kv_caches, meta.block_size))
+            self._fused = cached
+        return cached[1]
+
+    def _build_fused_decoder(self, kv_caches: list, block_size: int):
+        kernels = cpu_kernels.load()
+        cfg = self.config
+        if kernels is None or cfg.head_dim % 16 or cfg.head_dim > 128 or \
+                any(n % 32 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
+            return None
+
+        def t(module, name="weight"):  # the parameter (shared storage, not a copy), or None
+            p = None if module is None else getattr(module, name)
+            return None if p is None else p.detach()
+
+        first = self.layers[0].self_attn
+        fused = kernels.FusedDecoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                     cfg.rms_norm_eps, first.scale, first.sliding_window or 0, block_size,
+                                     t(self.norm))
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            a, m = layer.self_attn, layer.mlp
+            fused.add_layer(t(layer.input_layernorm), t(a.qkv_proj), t(a.qkv_proj, "bias"), t(a.q_norm), t(a.k_norm),
+                            t(a.o_proj), t(a.o_proj, "bias"), t(layer.post_attention_layernorm),
+                            t(m.gate_up_proj), t(m.gate_up_proj, "bias"), t(m.down_proj), t(m.down_proj, "bias"),
+                            k_cache, v_cache)
+        return fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

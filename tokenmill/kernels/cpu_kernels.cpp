@@ -1,0 +1,425 @@
+// CPU kernels for the decode step (AVX-512 BF16), built on first use by tokenmill/kernels/cpu.py.
+//
+// - gemv_bf16: y = x W^T for a few rows of x. Decoding reads every weight once per step, so the step is
+//   bound by memory bandwidth; each thread streams its share of W once per pass over the rows.
+// - paged_decode_attention: single-query attention read straight from the paged KV cache through each
+//   request's block table (no gather into a copy).
+// - FusedDecoder: a whole decode step of a Llama-family decoder (norms, projections, rotary, cache
+//   write, attention, SwiGLU, residuals) in one call, so that the hundreds of small per-layer tensor
+//   operations cost no Python dispatch. Rounding to bfloat16 happens where the eager model rounds.
+//
+// Every entry point releases the GIL: the server's event loop keeps running while a step computes.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return (uint16_t)(u >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+
+inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* bits_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// ---------------------------------------------------------------------------------------------- GEMV
+
+// How far ahead of the weight rows being read each thread asks for the next ones. The rows of a group
+// are adjacent in memory, so the weights a thread reads form one contiguous stream; prefetching that
+// stream a fixed distance ahead (into L2) keeps enough cache lines in flight for one core to approach
+// the memory bandwidth, which the hardware prefetcher alone does not on short (576-element) rows.
+constexpr int64_t kPrefetchBytes = 16384;
+
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for MB input rows against R weight rows at a time, for
+// weight rows [n0, n1).
+template <int MB, int R>
+void gemv_block(const uint16_t* x, int64_t rows, const uint16_t* w, int64_t K, int64_t n0, int64_t n1,
+                const uint16_t* bias, uint16_t* y, int64_t N) {
+  const char* stream_end = reinterpret_cast<const char*>(w + n1 * K);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[MB][R];
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    const uint16_t* wr = w + n * K;
+    const char* ahead = reinterpret_cast<const char*>(wr) + kPrefetchBytes;
+    for (int64_t k = 0; k < K; k += 32, ahead += R * 64) {
+      for (int r = 0; r < R; ++r)
+        if (ahead + r * 64 < stream_end) _mm_prefetch(ahead + r * 64, _MM_HINT_T1);
+      __m512bh b[R];
+      for (int r = 0; r < R; ++r) b[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
+      for (int m = 0; m < MB; ++m) {
+        if (m >= rows) break;
+        const __m512bh a = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], a, b[r]);
+      }
+    }
+    for (int m = 0; m < rows; ++m)
+      for (int r = 0; r < R; ++r) {
+        const float b = bias ? from_bf16(bias[n + r]) : 0.f;
+        y[m * N + n + r] = to_bf16(_mm512_reduce_add_ps(acc[m][r]) + b);
+      }
+  }
+  for (; n < n1; ++n)  // a last partial group of weight rows
+    for (int m = 0; m < rows; ++m) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + m * K + k),
+                               (__m512bh)_mm512_loadu_si512(w + n * K + k));
+      const float b = bias ? from_bf16(bias[n]) : 0.f;
+      y[m * N + n] = to_bf16(_mm512_reduce_add_ps(acc) + b);
+    }
+}
+
+constexpr int64_t kMaxGemvRows = 8;  // more rows re-read the weights: torch's GEMM is better there
+
+// y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxGemvRows, K a multiple of 32.
+void gemv(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
+          uint16_t* y) {
+  // Threads take contiguous ranges of weight rows (multiples of 8 rows, so groups never straddle).
+  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
+    if (M == 1) {
+      gemv_block<1, 4>(x, M, w, K, n0, n1, bias, y, N);
+    } else if (M == 2) {
+      gemv_block<2, 4>(x, M, w, K, n0, n1, bias, y, N);
+    } else if (M <= 4) {
+      gemv_block<4, 4>(x, M, w, K, n0, n1, bias, y, N);
+    } else {
+      gemv_block<8, 2>(x, M, w, K, n0, n1, bias, y, N);
+    }
+  });
+}
+
+// x [M, K] @ w^T (+ bias) in bf16: the kernel for a few rows, torch's GEMM for more.
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > kMaxGemvRows || K % 32 != 0) return at::linear(x, w, bias);
+  auto y = torch::empty({M, N}, x.options());
+  gemv(bits(x), M, bits(w), K, N, bias ? bits(*bias) : nullptr, bits_mut(y));
+  return y;
+}
+
+// ------------------------------------------------------------------------------------ paged attention
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 in float32: 2^(x log2 e) split into 2^n (scalef) and 2^f, f in [0, 1), by its
+// Taylor series to degree 7 (relative error below 2e-7 on that range); inputs below -87 give 0.
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out[b, h, :] = softmax(q[b, h] . K[t] * scale) V over the request's tokens t, read through its block table.
+// A task covers KV heads [kh0, kh1) of one request; walking tokens in order and, per token, those heads
+// in order reads each key and value record front to back. With few requests the heads are split into
+// separate tasks so that every core has work.
+template <typename T>
+void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens, T* out, int64_t b,
+            int64_t kh0, int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
+            int64_t window, std::vector<float>& scores, std::vector<__m512>& qv, std::vector<__m512>& acc) {
+  const int64_t G = H / KVH, DV = D / 16, NH = (kh1 - kh0) * G, len = lens[b];
+  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
+  scores.resize(NH * n);
+  qv.resize(NH * DV);
+  acc.assign(NH * DV, _mm512_setzero_ps());
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < NH; ++h)
+    for (int64_t j = 0; j < DV; ++j) qv[h * DV + j] = _mm512_mul_ps(load16(q + (b * H + kh0 * G + h) * D + j * 16), sc);
+  // Token t of request b lives in cache slot block_table[t / bs] * bs + t % bs; load one head's row of it.
+  auto load_head = [&](const T* cache, int64_t t, int64_t kh, __m512* row) {
+    const T* p = cache + ((bt[b * nb + t / bs] * bs + t % bs) * KVH + kh) * D;
+    for (int64_t j = 0; j < DV; ++j) row[j] = load16(p + j * 16);
+  };
+  for (int64_t t = start; t < len; ++t) {
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      __m512 kv[8];
+      load_head(kc, t, kh, kv);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = (kh - kh0) * G + g;
+        __m512 s = _mm512_mul_ps(qv[h * DV], kv[0]);
+        for (int64_t j = 1; j < DV; ++j) s = _mm512_fmadd_ps(qv[h * DV + j], kv[j], s);
+        scores[h * n + (t - start)] = _mm512_reduce_add_ps(s);
+      }
+    }
+  }
+  for (int64_t h = 0; h < NH; ++h) {  // softmax in float32
+    float* row = scores.data() + h * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmx));
+      _mm512_storeu_ps(row + j, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    float sum = _mm512_reduce_add_ps(vsum);
+    for (; j < n; ++j) { row[j] = std::exp(row[j] - mx); sum += row[j]; }
+    const float inv = 1.f / sum;
+    for (j = 0; j < n; ++j) row[j] *= inv;
+  }
+  for (int64_t t = start; t < len; ++t) {
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      __m512 vv[8];
+      load_head(vc, t, kh, vv);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = (kh - kh0) * G + g;
+        const __m512 p = _mm512_set1_ps(scores[h * n + (t - start)]);
+        for (int64_t j = 0; j < DV; ++j) acc[h * DV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * DV + j]);
+      }
+    }
+  }
+  float tmp[16];
+  for (int64_t h = 0; h < NH; ++h)
+    for (int64_t j = 0; j < DV; ++j) {
+      _mm512_storeu_ps(tmp, acc[h * DV + j]);
+      T* o = out + (b * H + kh0 * G + h) * D + j * 16;
+      for (int d = 0; d < 16; ++d) o[d] = static_cast<T>(tmp[d]);
+    }
+}
+
+template <typename T>
+void decode_attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens, T* out,
+                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
+                      int64_t window) {
+  const bool per_head = B < 2 * at::get_num_threads();
+  const int64_t tasks = per_head ? B * KVH : B;
+  at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<__m512> qv, acc;
+    for (int64_t i = i0; i < i1; ++i) {
+      if (per_head)
+        attend<T>(q, kc, vc, bt, lens, out, i / KVH, i % KVH, i % KVH + 1, H, KVH, D, nb, bs, scale, window,
+                  scores, qv, acc);
+      else
+        attend<T>(q, kc, vc, bt, lens, out, i, 0, KVH, H, KVH, D, nb, bs, scale, window, scores, qv, acc);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------- element-wise pieces
+
+// y = w * bf16(x / rms(x)) over rows of length n, as the eager model computes it: the normalisation in
+// float32, rounded to bf16, then scaled by the bf16 weight and rounded again.
+void rms_norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * n;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = from_bf16(xr[i]);
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / n + eps);
+    for (int64_t i = 0; i < n; ++i) y[r * n + i] = to_bf16(from_bf16(w[i]) * round_bf16(from_bf16(xr[i]) * inv));
+  }
+}
+
+// x[i] = bf16(x[i] + d[i]): the residual stream.
+void add_into(uint16_t* x, const uint16_t* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(d[i]));
+}
+
+// Non-interleaved rotary embedding of one head in place; cos and sin hold D values (both halves).
+void rotate(uint16_t* v, const uint16_t* cos, const uint16_t* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = from_bf16(v[i]), b = from_bf16(v[i + half]);
+    v[i] = to_bf16(a * from_bf16(cos[i]) - b * from_bf16(sin[i]));
+    v[i + half] = to_bf16(b * from_bf16(cos[i + half]) + a * from_bf16(sin[i + half]));
+  }
+}
+
+// ---------------------------------------------------------------------------------- fused decoder
+
+c10::optional<torch::Tensor> opt(const c10::optional<torch::Tensor>& t) {
+  if (t && t->defined()) return t->contiguous();
+  return c10::nullopt;
+}
+
+// One decoder layer's weights (bf16, contiguous) and its slice of the KV cache.
+struct LayerWeights {
+  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache;
+  c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
+};
+
+class FusedDecoder {
+ public:
+  FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+               double scale, int64_t window, int64_t block_size, torch::Tensor final_norm)
+      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps),
+        scale_((float)scale), window_(window), bs_(block_size), final_norm_(final_norm.contiguous()) {
+    TORCH_CHECK(D_ % 16 == 0 && D_ <= 128, "head_dim must be a multiple of 16, at most 128");
+    TORCH_CHECK(H_ % KVH_ == 0, "heads must be a multiple of KV heads");
+  }
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, torch::Tensor o,
+                 c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, torch::Tensor gate_up,
+                 c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
+                 c10::optional<torch::Tensor> down_bias, torch::Tensor k_cache, torch::Tensor v_cache) {
+    for (const auto* t : {&input_norm, &qkv, &o, &post_norm, &gate_up, &down, &k_cache, &v_cache})
+      TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous(), "bf16 contiguous tensors expected");
+    TORCH_CHECK(qkv.size(0) == (H_ + 2 * KVH_) * D_ && k_cache.size(1) == KVH_ && k_cache.size(2) == D_,
+                "layer shapes do not match the decoder's heads");
+    layers_.push_back({input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache, opt(qkv_bias),
+                       opt(o_bias), opt(gate_up_bias), opt(down_bias), opt(q_norm), opt(k_norm)});
+  }
+
+  // x [B, hidden]: the embedded tokens, one per request, updated in place as the residual stream.
+  // cos, sin [B, D] bf16; slots [B] cache slot of each new token; block_tables [B, nb]; seq_lens [B]
+  // context lengths including the new token. Returns the final-normed hidden states [B, hidden].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                        torch::Tensor block_tables, torch::Tensor seq_lens) {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: bf16 [B, hidden]");
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    auto slot = slots.to(torch::kLong).contiguous();
+    auto bt = block_tables.to(torch::kLong).contiguous();
+    auto lens = seq_lens.to(torch::kLong).contiguous();
+    const int64_t B = x.size(0), hidden = x.size(1), QS = H_ * D_, KVS = KVH_ * D_;
+    TORCH_CHECK(cos.size(0) == B && cos.size(-1) == D_ && slot.size(0) == B && bt.size(0) == B, "batch mismatch");
+    auto h = torch::empty_like(x);
+    auto q = torch::empty({B, H_, D_}, x.options());
+    auto act = torch::empty({B, I_}, x.options());
+    uint16_t* xp = bits_mut(x);
+    for (auto& L : layers_) {
+      rms_norm_rows(xp, bits(L.input_norm), bits_mut(h), B, hidden, eps_);
+      auto qkv = linear_bf16(h, L.qkv, L.qkv_bias);
+      uint16_t* kc = bits_mut(L.k_cache);
+      uint16_t* vc = bits_mut(L.v_cache);
+      for (int64_t b = 0; b < B; ++b) {
+        uint16_t* row = bits_mut(qkv) + b * (QS + 2 * KVS);
+        uint16_t* qb = row;
+        uint16_t* kb = row + QS;
+        const uint16_t* vb = row + QS + KVS;
+        if (L.q_norm) {
+          rms_norm_rows(qb, bits(*L.q_norm), qb, H_, D_, eps_);
+          rms_norm_rows(kb, bits(*L.k_norm), kb, KVH_, D_, eps_);
+        }
+        const uint16_t* cb = bits(cos) + b * D_;
+        const uint16_t* sb = bits(sin) + b * D_;
+        for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, D_);
+        for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
+        std::memcpy(bits_mut(q) + b * QS, qb, QS * 2);
+        const int64_t s = slot.data_ptr<int64_t>()[b];
+        std::memcpy(kc + s * KVS, kb, KVS * 2);
+        std::memcpy(vc + s * KVS, vb, KVS * 2);
+      }
+      auto attn = torch::empty({B, QS}, x.options());
+      decode_attention<bf16>(q.data_ptr<bf16>(), L.k_cache.data_ptr<bf16>(), L.v_cache.data_ptr<bf16>(),
+                             bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), attn.data_ptr<bf16>(), B, H_, KVH_,
+                             D_, bt.size(1), bs_, scale_, window_);
+      auto o = linear_bf16(attn, L.o, L.o_bias);
+      add_into(xp, bits(o), B * hidden);
+      rms_norm_rows(xp, bits(L.post_norm), bits_mut(h), B, hidden, eps_);
+      auto gu = linear_bf16(h, L.gate_up, L.gate_up_bias);
+      const uint16_t* gp = bits(gu);
+      uint16_t* ap = bits_mut(act);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < I_; ++i) {
+          const float g = from_bf16(gp[b * 2 * I_ + i]), u = from_bf16(gp[b * 2 * I_ + I_ + i]);
+          ap[b * I_ + i] = to_bf16(round_bf16(g / (1.f + std::exp(-g))) * u);
+        }
+      auto d = linear_bf16(act, L.down, L.down_bias);
+      add_into(xp, bits(d), B * hidden);
+    }
+    auto out = torch::empty_like(x);
+    rms_norm_rows(xp, bits(final_norm_), bits_mut(out), B, hidden, eps_);
+    return out;
+  }
+
+ private:
+  int64_t H_, KVH_, D_, I_;
+  float eps_, scale_;
+  int64_t window_, bs_;
+  torch::Tensor final_norm_;
+  std::vector<LayerWeights> layers_;
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------- entry points
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bf16 tensors expected");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes do not match");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(x.size(0) <= kMaxGemvRows, "at most 8 rows");
+  return linear_bf16(x.contiguous(), w.contiguous(), opt(bias));
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
+                                     double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache must share a dtype");
+  q = q.contiguous();
+  auto bt = block_tables.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), nb = bt.size(1);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "head counts do not match");
+  TORCH_CHECK(D % 16 == 0 && D <= 128, "head_dim must be a multiple of 16, at most 128");
+  if (q.scalar_type() == torch::kFloat) {
+    decode_attention<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                            bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D,
+                            nb, block_size, (float)scale, window);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
+    decode_attention<bf16>(q.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+                           bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), B, H, KVH, D, nb,
+                           block_size, (float)scale, window);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("gemv_bf16", &gemv_bf16, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), release());
+  m.def("paged_decode_attention", &paged_decode_attention, release());
+  py::class_<FusedDecoder>(m, "FusedDecoder")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor>())
+      .def("add_layer", &FusedDecoder::add_layer)
+      .def("forward", &FusedDecoder::forward, release());
+}
