@@ -39,10 +39,18 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
-inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
 
 inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 inline uint16_t* bits_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// 16 bf16 values as float32, and back with round-to-nearest-even (vcvtneps2bf16).
+inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 
 // ---------------------------------------------------------------------------------------------- GEMV
 
@@ -125,15 +133,13 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
 // ------------------------------------------------------------------------------------ paged attention
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const bf16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
-// exp(x) for x <= 0 in float32: 2^(x log2 e) split into 2^n (scalef) and 2^f, f in [0, 1), by its
-// Taylor series to degree 7 (relative error below 2e-7 on that range); inputs below -87 give 0.
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+// exp(x) in float32: 2^(x log2 e) split into 2^n (scalef) and 2^f, f in [0, 1), by its Taylor series
+// to degree 7 (relative error below 2e-7 on that range); inputs are clamped to [-87, 88], so very
+// negative ones give ~0 and very positive ones stay finite.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
@@ -189,7 +195,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64
     __m512 vsum = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-      const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmx));
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmx));
       _mm512_storeu_ps(row + j, e);
       vsum = _mm512_add_ps(vsum, e);
     }
@@ -239,24 +245,35 @@ void decode_attention(const T* q, const T* kc, const T* vc, const int64_t* bt, c
 
 // ------------------------------------------------------------------------------- element-wise pieces
 
-// y = w * bf16(x / rms(x)) over rows of length n, as the eager model computes it: the normalisation in
-// float32, rounded to bf16, then scaled by the bf16 weight and rounded again.
+// y = w * bf16(x / rms(x)) over rows of length n (a multiple of 16), as the eager model computes it:
+// the normalisation in float32, rounded to bf16, then scaled by the bf16 weight and rounded again.
 void rms_norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* xr = x + r * n;
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = from_bf16(xr[i]);
-      ss += v * v;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 v = load_bf16(xr + i);
+      ss = _mm512_fmadd_ps(v, v, ss);
     }
-    const float inv = 1.f / std::sqrt(ss / n + eps);
-    for (int64_t i = 0; i < n; ++i) y[r * n + i] = to_bf16(from_bf16(w[i]) * round_bf16(from_bf16(xr[i]) * inv));
+    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
+    for (int64_t i = 0; i < n; i += 16)
+      store_bf16(y + r * n + i, _mm512_mul_ps(load_bf16(w + i), round_bf16(_mm512_mul_ps(load_bf16(xr + i), inv))));
   }
 }
 
-// x[i] = bf16(x[i] + d[i]): the residual stream.
+// x[i] = bf16(x[i] + d[i]): the residual stream (n a multiple of 16).
 void add_into(uint16_t* x, const uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(d[i]));
+  for (int64_t i = 0; i < n; i += 16) store_bf16(x + i, _mm512_add_ps(load_bf16(x + i), load_bf16(d + i)));
+}
+
+// out = bf16(bf16(silu(gate)) * up) for one row of gate_up = [gate | up], n a multiple of 16.
+void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 g = load_bf16(gate_up + i), u = load_bf16(gate_up + n + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    store_bf16(out + i, _mm512_mul_ps(round_bf16(silu), u));
+  }
 }
 
 // Non-interleaved rotary embedding of one head in place; cos and sin hold D values (both halves).
@@ -353,13 +370,7 @@ class FusedDecoder {
       add_into(xp, bits(o), B * hidden);
       rms_norm_rows(xp, bits(L.post_norm), bits_mut(h), B, hidden, eps_);
       auto gu = linear_bf16(h, L.gate_up, L.gate_up_bias);
-      const uint16_t* gp = bits(gu);
-      uint16_t* ap = bits_mut(act);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = 0; i < I_; ++i) {
-          const float g = from_bf16(gp[b * 2 * I_ + i]), u = from_bf16(gp[b * 2 * I_ + I_ + i]);
-          ap[b * I_ + i] = to_bf16(round_bf16(g / (1.f + std::exp(-g))) * u);
-        }
+      for (int64_t b = 0; b < B; ++b) silu_mul(bits(gu) + b * 2 * I_, bits_mut(act) + b * I_, I_);
       auto d = linear_bf16(act, L.down, L.down_bias);
       add_into(xp, bits(d), B * hidden);
     }

@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.model import gguf_loader
+from tokenmill.model import arena, gguf_loader
 from tokenmill.model.hub import resolve_model_path
 from tokenmill.model.layers import RotaryEmbedding
 from tokenmill.model.registry import model_class
@@ -65,7 +65,10 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
     with torch.device("meta"):
         model = cls(hf_config, backend, positions)
-    model = model.to_empty(device=device).to(dtype)
+    if device.type == "cpu":
+        arena.materialize(model, dtype)  # one contiguous, huge-page-backed buffer for the weights
+    else:
+        model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
     cfg = model.config
     # Rotary tables are not weights: build them on the device, kept in float32 for accuracy.
