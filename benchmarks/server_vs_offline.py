@@ -1,11 +1,12 @@
 """The server against the offline engine at equal concurrency, plus startup time and peak memory.
 
 Starts `tokenmill serve` (default model), records the seconds from process start to a 200 from /health,
-drives it with `bench serve` (all requests at once, --max-concurrency C), then runs the same requests
-offline with max_num_seqs C, and prints output tokens/s of both and their ratio, and the server's
-peak resident memory (VmHWM).
+loads the same model offline in this process (max_num_seqs C), then alternates rounds: the requests
+through `bench serve`'s load generator (all at once, --max-concurrency C) and the same requests offline.
+Prints output tokens/s of both per round, the median ratio, and the server's peak resident memory
+(VmHWM). Alternating keeps a shared machine's drifting speed out of the ratio; the idle side uses no CPU.
 
-    python benchmarks/server_vs_offline.py [--num-prompts 128] [--concurrency 32]
+    python benchmarks/server_vs_offline.py [--num-prompts 128] [--concurrency 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--input-len", default="32-512")
     ap.add_argument("--output-len", default="32-256")
     ap.add_argument("--port", type=int, default=8431)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.input_len.split("-"))
     olo, ohi = (int(x) for x in args.output_len.split("-"))
@@ -53,27 +56,29 @@ def main() -> None:
                 raise SystemExit("server did not start")
             time.sleep(0.05)
         startup = time.perf_counter() - start
+        from tokenmill import LLM
+        from tokenmill.bench.offline import run_throughput
+
+        llm = LLM(max_num_seqs=args.concurrency)
         asyncio.run(run_load(url, reqs[:8], float("inf"), args.concurrency, show_progress=False))  # warm-up
-        results, elapsed = asyncio.run(run_load(url, reqs, float("inf"), args.concurrency, show_progress=False))
-        served = summarize(results, elapsed)
+        run_throughput(llm, reqs[:8])
+        ratios = []
+        for i in range(args.rounds):
+            results, elapsed = asyncio.run(run_load(url, reqs, float("inf"), args.concurrency, show_progress=False))
+            served = summarize(results, elapsed)
+            offline = run_throughput(llm, reqs)
+            ratios.append(served["output_throughput"] / offline["output_tokens_per_s"])
+            print(f"round {i + 1}: bench serve {served['output_throughput']:.1f} output tok/s "
+                  f"({served['completed']} ok, {served['failed']} failed; TTFT median {served['ttft_ms']['p50']:.0f} ms, "
+                  f"TPOT median {served['tpot_ms']['p50']:.1f} ms); offline {offline['output_tokens_per_s']:.1f} "
+                  f"output tok/s; ratio {ratios[-1]:.2f}", flush=True)
         with open(f"/proc/{proc.pid}/status") as f:
             peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
     finally:
         proc.terminate()
         proc.wait(30)
-
-    from tokenmill import LLM
-    from tokenmill.bench.offline import run_throughput
-
-    llm = LLM(max_num_seqs=args.concurrency)
-    run_throughput(llm, reqs[:8])
-    offline = run_throughput(llm, reqs)
     print(f"server startup (process start to /health 200): {startup:.1f} s; server peak RSS {peak:.0f} MiB")
-    print(f"bench serve: {served['output_throughput']:.1f} output tok/s ({served['completed']} ok, "
-          f"{served['failed']} failed); TTFT median {served['ttft_ms']['p50']:.0f} ms, "
-          f"TPOT median {served['tpot_ms']['p50']:.1f} ms")
-    print(f"offline bench throughput: {offline['output_tokens_per_s']:.1f} output tok/s")
-    print(f"server / offline: {served['output_throughput'] / offline['output_tokens_per_s']:.2f}")
+    print(f"server / offline (median of {args.rounds} rounds): {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

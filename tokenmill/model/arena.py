@@ -43,10 +43,11 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def materialize(model: nn.Module, dtype: torch.dtype) -> None:
+def materialize(model: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """Give each parameter of a model built on the meta device a slice of one CPU buffer (in dtype).
 
-    Buffers still on the meta device get ordinary CPU tensors (floating ones in dtype)."""
+    Buffers still on the meta device get ordinary CPU tensors (floating ones in dtype). Returns the
+    buffer (uint8), which the parameters keep alive."""
     params = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
     itemsize = torch.empty((), dtype=dtype).element_size()
     offsets: dict[int, int] = {}  # id(parameter) -> byte offset; a shared parameter gets one slice
@@ -67,3 +68,4 @@ def materialize(model: nn.Module, dtype: torch.dtype) -> None:
         for name, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() else b.dtype)
+    return arena

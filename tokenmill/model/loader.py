@@ -66,7 +66,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     with torch.device("meta"):
         model = cls(hf_config, backend, positions)
     if device.type == "cpu":
-        arena.materialize(model, dtype)  # one contiguous, huge-page-backed buffer for the weights
+        # One contiguous, huge-page-backed buffer for the weights (kept for measuring its read speed).
+        model.weight_arena = arena.materialize(model, dtype)
     else:
         model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
