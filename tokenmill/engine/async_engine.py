@@ -35,6 +35,11 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None,
                  log_interval: float = 5.0) -> None:
@@ -128,10 +133,7 @@ class AsyncEngine:
                     for s in sched.scheduled:  # a sampled token counts as generation, the rest as prompt
                         tokens_since[0] += s.num_new_tokens - 1 if s.samples else s.num_new_tokens
                         tokens_since[1] += s.samples
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
+                self._deliver(outputs)
                 if self.on_step is not None:
                     self.on_step(outputs, now)
                 if time.monotonic() - last_log >= self.log_interval:
@@ -146,6 +148,16 @@ class AsyncEngine:
             for fn in self._on_death:
                 fn()
             self._drain_dead(dead)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams with one wake-up of each event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_dead(self, dead: EngineDeadError) -> None:
         """Requests that arrive after death are failed as soon as they are queued."""
