@@ -68,3 +68,30 @@ def test_chat_uses_template(llm32):
     assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
     assert out[0].outputs[0].finish_reason in ("stop", "length")
     assert "4" in out[0].outputs[0].text
+
+
+def test_gguf_reader_matches_the_gguf_package(default_gguf, tmp_path):
+    """Our one-pass GGUF reader gives the metadata values and tensor bytes the gguf package's reader gives."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.model.gguf_loader import GGUFFile
+
+    ours, ref = GGUFFile(default_gguf), gguf.GGUFReader(default_gguf)
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+    assert sorted(ours.fields) == sorted(keys)
+    for k in keys:
+        assert ours.fields[k] == pytest.approx(ref.fields[k].contents()), k
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape), a.name
+        assert np.array_equal(a.data.reshape(-1), np.asarray(b.data).reshape(-1).view(np.uint8)), a.name
+
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(str(bad))
+    with open(default_gguf, "rb") as f:
+        bad.write_bytes(f.read(200_000))  # metadata cut short
+    with pytest.raises(ValueError, match="truncated"):
+        GGUFFile(str(bad))
