@@ -54,13 +54,40 @@ inline __m512 round_bf16(__m512 v) {
 
 // ---------------------------------------------------------------------------------------------- GEMV
 
-// How far ahead of the weight rows being read each thread asks for the next ones. The rows of a group
-// are adjacent in memory, so the weights a thread reads form one contiguous stream; prefetching that
-// stream far ahead into L2, and a little ahead into L1, keeps enough cache lines in flight for one
-// core to approach the memory bandwidth, which the hardware prefetcher alone does not on short
-// (576-element) rows. The distances were chosen by sweeping them on the model's shapes.
-constexpr int64_t kPrefetchL2Bytes = 16384;
+// How far ahead of the weights being read each thread asks for the next ones. A thread's weight rows
+// are adjacent in memory, so what it reads is one contiguous stream; prefetching that stream ahead
+// keeps enough cache lines in flight for one core to approach the memory bandwidth, which the
+// hardware prefetcher alone does not on short (576-element) rows. The distances were chosen by
+// sweeping them on the model's shapes, at both of the speeds this machine's memory shows.
+constexpr int64_t kPrefetchL2Bytes = 16384;  // several input rows: far into L2, and near into L1
 constexpr int64_t kPrefetchL1Bytes = 2048;
+constexpr int64_t kPrefetchRowBytes = 8192;  // one input row: into L1
+
+// y[n] = x . w[n, :] (+ bias[n]) for one input row and weight rows [n0, n1): each weight row is read
+// front to back, so the thread's reads are a single stream; two accumulators hide the dot-product
+// latency.
+void gemv_one_row(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, const uint16_t* bias,
+                  uint16_t* y) {
+  const char* stream_end = reinterpret_cast<const char*>(w + n1 * K);
+  const char* ahead = reinterpret_cast<const char*>(w + n0 * K) + kPrefetchRowBytes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = w + n * K;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64, ahead += 128) {
+      if (ahead < stream_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      if (ahead + 64 < stream_end) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(wr + k));
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32), (__m512bh)_mm512_loadu_si512(wr + k + 32));
+    }
+    for (; k < K; k += 32, ahead += 64) {
+      if (ahead < stream_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(wr + k));
+    }
+    const float b = bias ? from_bf16(bias[n]) : 0.f;
+    y[n] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + b);
+  }
+}
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for MB input rows against R weight rows at a time, for
 // weight rows [n0, n1).
@@ -116,7 +143,7 @@ void gemv(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N,
   at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
     if (M == 1) {
-      gemv_block<1, 4>(x, M, w, K, n0, n1, bias, y, N);
+      gemv_one_row(x, w, K, n0, n1, bias, y);
     } else if (M == 2) {
       gemv_block<2, 4>(x, M, w, K, n0, n1, bias, y, N);
     } else if (M <= 4) {
