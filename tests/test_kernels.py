@@ -84,3 +84,26 @@ def test_paged_decode_attention_kernel_and_fallback(dtype, window, batch, monkey
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     fallback = TorchSDPABackend._decode(q, kc, vc, meta, scale, window)
     assert torch.allclose(fallback.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("lens", [[300], [1, 300], [5, 400], [200, 65, 130]])
+@pytest.mark.parametrize("kvh", [1, 2])
+def test_paged_decode_attention_splits_long_contexts(dtype, window, lens, kvh):
+    """Few requests with long contexts: each head's tokens are split into ranges (some empty, for the
+    one-token request) that threads compute apart and the kernel merges."""
+    g = torch.Generator().manual_seed(len(lens))
+    h, d, bs = 6, 64, 16
+    width = max(-(-n // bs) for n in lens)
+    blocks = len(lens) * width
+    k_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    bt = torch.randperm(blocks, generator=g).reshape(len(lens), width)
+    lens_t = torch.tensor(lens)
+    scale = d ** -0.5
+    ref = _dense_reference(q, k_cache, v_cache, bt, lens_t, bs, window, scale)
+    out = kernel.paged_decode_attention(q, k_cache, v_cache, bt, lens_t, bs, scale, window or 0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol)

@@ -187,17 +187,18 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// out[b, h, :] = softmax(q[b, h] . K[t] * scale) V over the request's tokens t, read through its block table.
-// A task covers KV heads [kh0, kh1) of one request; walking tokens in order and, per token, those heads
-// in order reads each key and value record front to back. With few requests the heads are split into
-// separate tasks so that every core has work.
+// Attention of one request's query heads over a range of its tokens, read through its block table.
+// A part covers the query heads of KV heads [kh0, kh1) and tokens [t0, t1): walking tokens in order and,
+// per token, those heads in order reads each key and value record front to back. For each query head
+// it leaves, in float32, the largest score m, l = sum exp(score - m) and acc = sum exp(score - m) V;
+// parts over different token ranges combine exactly (see merge below).
 template <typename T>
-void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens, T* out, int64_t b,
-            int64_t kh0, int64_t kh1, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
-            int64_t window, std::vector<float>& scores, std::vector<__m512>& qv, std::vector<__m512>& acc) {
-  const int64_t G = H / KVH, DV = D / 16, NH = (kh1 - kh0) * G, len = lens[b];
-  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
-  scores.resize(NH * n);
+void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_t b, int64_t kh0, int64_t kh1,
+                 int64_t t0, int64_t t1, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
+                 float* m_out, float* l_out, float* acc_out, std::vector<float>& scores, std::vector<__m512>& qv,
+                 std::vector<__m512>& acc) {
+  const int64_t G = H / KVH, DV = D / 16, NH = (kh1 - kh0) * G, n = t1 - t0;
+  scores.resize(NH * std::max<int64_t>(n, 1));
   qv.resize(NH * DV);
   acc.assign(NH * DV, _mm512_setzero_ps());
   const __m512 sc = _mm512_set1_ps(scale);
@@ -208,7 +209,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64
     const T* p = cache + ((bt[b * nb + t / bs] * bs + t % bs) * KVH + kh) * D;
     for (int64_t j = 0; j < DV; ++j) row[j] = load16(p + j * 16);
   };
-  for (int64_t t = start; t < len; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     for (int64_t kh = kh0; kh < kh1; ++kh) {
       __m512 kv[8];
       load_head(kc, t, kh, kv);
@@ -216,11 +217,11 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64
         const int64_t h = (kh - kh0) * G + g;
         __m512 s = _mm512_mul_ps(qv[h * DV], kv[0]);
         for (int64_t j = 1; j < DV; ++j) s = _mm512_fmadd_ps(qv[h * DV + j], kv[j], s);
-        scores[h * n + (t - start)] = _mm512_reduce_add_ps(s);
+        scores[h * n + (t - t0)] = _mm512_reduce_add_ps(s);
       }
     }
   }
-  for (int64_t h = 0; h < NH; ++h) {  // softmax in float32
+  for (int64_t h = 0; h < NH; ++h) {  // exp(score - max) in float32
     float* row = scores.data() + h * n;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
@@ -234,44 +235,74 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64
     }
     float sum = _mm512_reduce_add_ps(vsum);
     for (; j < n; ++j) { row[j] = std::exp(row[j] - mx); sum += row[j]; }
-    const float inv = 1.f / sum;
-    for (j = 0; j < n; ++j) row[j] *= inv;
+    m_out[h] = mx;
+    l_out[h] = sum;
   }
-  for (int64_t t = start; t < len; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     for (int64_t kh = kh0; kh < kh1; ++kh) {
       __m512 vv[8];
       load_head(vc, t, kh, vv);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = (kh - kh0) * G + g;
-        const __m512 p = _mm512_set1_ps(scores[h * n + (t - start)]);
+        const __m512 p = _mm512_set1_ps(scores[h * n + (t - t0)]);
         for (int64_t j = 0; j < DV; ++j) acc[h * DV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * DV + j]);
       }
     }
   }
-  float tmp[16];
   for (int64_t h = 0; h < NH; ++h)
-    for (int64_t j = 0; j < DV; ++j) {
-      _mm512_storeu_ps(tmp, acc[h * DV + j]);
-      T* o = out + (b * H + kh0 * G + h) * D + j * 16;
-      for (int d = 0; d < 16; ++d) o[d] = static_cast<T>(tmp[d]);
-    }
+    for (int64_t j = 0; j < DV; ++j) _mm512_storeu_ps(acc_out + h * D + j * 16, acc[h * DV + j]);
 }
 
+// out[b, h, :] = softmax(q[b, h] . K[t] * scale) V over each request's tokens (the last `window` ones
+// when window > 0). Work is split into parts of (request, KV heads, token range): with many requests one
+// part per request; with few, per KV head, and each head's tokens split further until every thread has
+// two parts or the ranges get short. Parts are then merged per query head: with M the largest m,
+// out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
 template <typename T>
 void decode_attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens, T* out,
                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
                       int64_t window) {
-  const bool per_head = B < 2 * at::get_num_threads();
-  const int64_t tasks = per_head ? B * KVH : B;
-  at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t threads = at::get_num_threads(), G = H / KVH;
+  const bool per_head = B < 2 * threads;
+  const int64_t head_groups = per_head ? KVH : 1, heads_per_group = per_head ? 1 : KVH;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b]);
+  int64_t chunks = 1;
+  constexpr int64_t kMinChunk = 64;  // tokens: shorter ranges cost more in merging than they save
+  if (per_head)
+    while (B * KVH * chunks < 2 * threads && longest / (chunks + 1) >= kMinChunk) ++chunks;
+  const int64_t parts = B * head_groups * chunks, per_part = heads_per_group * G;
+  std::vector<float> m(parts * per_part), l(parts * per_part), acc(parts * per_part * D);
+  at::parallel_for(0, parts, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
-    std::vector<__m512> qv, acc;
+    std::vector<__m512> qv, vacc;
     for (int64_t i = i0; i < i1; ++i) {
-      if (per_head)
-        attend<T>(q, kc, vc, bt, lens, out, i / KVH, i % KVH, i % KVH + 1, H, KVH, D, nb, bs, scale, window,
-                  scores, qv, acc);
-      else
-        attend<T>(q, kc, vc, bt, lens, out, i, 0, KVH, H, KVH, D, nb, bs, scale, window, scores, qv, acc);
+      const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
+      const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t t0 = start + (len - start) * c / chunks, t1 = start + (len - start) * (c + 1) / chunks;
+      const int64_t kh0 = kg * heads_per_group;
+      attend_part<T>(q, kc, vc, bt, b, kh0, kh0 + heads_per_group, t0, t1, H, KVH, D, nb, bs, scale,
+                     &m[i * per_part], &l[i * per_part], &acc[i * per_part * D], scores, qv, vacc);
+    }
+  });
+  at::parallel_for(0, B * H, 16, [&](int64_t j0, int64_t j1) {
+    std::vector<float> o(D);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t b = j / H, h = j % H, kg = (h / G) / heads_per_group, hh = h - kg * per_part;
+      const int64_t first = (b * head_groups + kg) * chunks;
+      float M = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, m[(first + c) * per_part + hh]);
+      float denom = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k = (first + c) * per_part + hh;
+        if (l[k] == 0.f) continue;  // an empty token range
+        const float w = std::exp(m[k] - M);
+        denom += w * l[k];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * acc[k * D + d];
+      }
+      const float inv = 1.f / denom;
+      for (int64_t d = 0; d < D; ++d) out[j * D + d] = static_cast<T>(o[d] * inv);
     }
   });
 }
