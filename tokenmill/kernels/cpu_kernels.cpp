@@ -204,23 +204,24 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < NH; ++h)
     for (int64_t j = 0; j < DV; ++j) qv[h * DV + j] = _mm512_mul_ps(load16(q + (b * H + kh0 * G + h) * D + j * 16), sc);
-  // Token t of request b lives in cache slot block_table[t / bs] * bs + t % bs; load one head's row of it.
-  auto load_head = [&](const T* cache, int64_t t, int64_t kh, __m512* row) {
-    const T* p = cache + ((bt[b * nb + t / bs] * bs + t % bs) * KVH + kh) * D;
-    for (int64_t j = 0; j < DV; ++j) row[j] = load16(p + j * 16);
-  };
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t kh = kh0; kh < kh1; ++kh) {
-      __m512 kv[8];
-      load_head(kc, t, kh, kv);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = (kh - kh0) * G + g;
-        __m512 s = _mm512_mul_ps(qv[h * DV], kv[0]);
-        for (int64_t j = 1; j < DV; ++j) s = _mm512_fmadd_ps(qv[h * DV + j], kv[j], s);
-        scores[h * n + (t - t0)] = _mm512_reduce_add_ps(s);
+  // Token t of request b lives in cache slot block_table[t / bs] * bs + t % bs. Visit each token's rows
+  // of the part's KV heads in memory order, handing fn (token index in the range, query head, row)
+  // once for each query head that shares the row.
+  auto each_row = [&](const T* cache, auto&& fn) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* rec = cache + (bt[b * nb + t / bs] * bs + t % bs) * KVH * D;
+      for (int64_t kh = kh0; kh < kh1; ++kh) {
+        __m512 row[8];
+        for (int64_t j = 0; j < DV; ++j) row[j] = load16(rec + kh * D + j * 16);
+        for (int64_t g = 0; g < G; ++g) fn(t - t0, (kh - kh0) * G + g, row);
       }
     }
-  }
+  };
+  each_row(kc, [&](int64_t i, int64_t h, const __m512* k) {
+    __m512 s = _mm512_mul_ps(qv[h * DV], k[0]);
+    for (int64_t j = 1; j < DV; ++j) s = _mm512_fmadd_ps(qv[h * DV + j], k[j], s);
+    scores[h * n + i] = _mm512_reduce_add_ps(s);
+  });
   for (int64_t h = 0; h < NH; ++h) {  // exp(score - max) in float32
     float* row = scores.data() + h * n;
     float mx = -INFINITY;
@@ -238,17 +239,10 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
     m_out[h] = mx;
     l_out[h] = sum;
   }
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t kh = kh0; kh < kh1; ++kh) {
-      __m512 vv[8];
-      load_head(vc, t, kh, vv);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = (kh - kh0) * G + g;
-        const __m512 p = _mm512_set1_ps(scores[h * n + (t - t0)]);
-        for (int64_t j = 0; j < DV; ++j) acc[h * DV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * DV + j]);
-      }
-    }
-  }
+  each_row(vc, [&](int64_t i, int64_t h, const __m512* v) {
+    const __m512 p = _mm512_set1_ps(scores[h * n + i]);
+    for (int64_t j = 0; j < DV; ++j) acc[h * DV + j] = _mm512_fmadd_ps(p, v[j], acc[h * DV + j]);
+  });
   for (int64_t h = 0; h < NH; ++h)
     for (int64_t j = 0; j < DV; ++j) _mm512_storeu_ps(acc_out + h * D + j * 16, acc[h * DV + j]);
 }
