@@ -395,6 +395,7 @@ class FusedDecoder {
     TORCH_CHECK(cos.size(0) == B && cos.size(-1) == D_ && slot.size(0) == B && bt.size(0) == B, "batch mismatch");
     auto h = torch::empty_like(x);
     auto q = torch::empty({B, H_, D_}, x.options());
+    auto attn = torch::empty({B, QS}, x.options());
     auto act = torch::empty({B, I_}, x.options());
     uint16_t* xp = bits_mut(x);
     for (auto& L : layers_) {
@@ -420,7 +421,6 @@ class FusedDecoder {
         std::memcpy(kc + s * KVS, kb, KVS * 2);
         std::memcpy(vc + s * KVS, vb, KVS * 2);
       }
-      auto attn = torch::empty({B, QS}, x.options());
       decode_attention<bf16>(q.data_ptr<bf16>(), L.k_cache.data_ptr<bf16>(), L.v_cache.data_ptr<bf16>(),
                              bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), attn.data_ptr<bf16>(), B, H_, KVH_,
                              D_, bt.size(1), bs_, scale_, window_);

@@ -110,27 +110,19 @@ class GGUFFile:
         return self._read(self._SCALARS[vtype])
 
 
-def _reader(path: str) -> GGUFFile:
-    return GGUFFile(path)
-
-
-def _field(reader: GGUFFile, key, default=None):
-    return reader.fields.get(key, default)
-
-
-def read_config(reader) -> dict:
+def read_config(reader: GGUFFile) -> dict:
     """An HF-style config dict built from GGUF metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCHS))}")
 
     def g(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return reader.fields.get(f"{arch}.{key}", default)
 
     heads = g("attention.head_count")
     hidden = g("embedding_length")
     names = {t.name for t in reader.tensors}
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    tokens = reader.fields.get("tokenizer.ggml.tokens") or []
     config = {
         "architectures": [_ARCHS[arch]],
         "model_type": arch,
@@ -197,14 +189,14 @@ def build_tokenizer(reader):
     """A transformers fast tokenizer built from the GGUF's tokenizer metadata."""
     from transformers import PreTrainedTokenizerFast
 
-    model = _field(reader, "tokenizer.ggml.model")
+    model = reader.fields.get("tokenizer.ggml.model")
     if model != "gpt2":
         return None  # other vocabularies go through transformers' own GGUF conversion
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tokens = list(reader.fields.get("tokenizer.ggml.tokens"))
+    types = list(reader.fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in reader.fields.get("tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -215,18 +207,18 @@ def build_tokenizer(reader):
     tok.add_tokens(specials)
 
     def tok_of(key):
-        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        i = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
     bos = tok_of("bos")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    if reader.fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=tok_of("eos"),
                                  unk_token=tok_of("unknown"), pad_token=tok_of("padding"))
-    template = _field(reader, "tokenizer.chat_template")
+    template = reader.fields.get("tokenizer.chat_template")
     if template:
         hf.chat_template = template
     return hf

@@ -46,7 +46,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     start = time.perf_counter()
     path = resolve_model_path(name)
     if path.endswith(".gguf"):
-        reader = gguf_loader._reader(path)
+        reader = gguf_loader.GGUFFile(path)
         hf_config = gguf_loader.read_config(reader)
         tokenizer = gguf_loader.build_tokenizer(reader) or _transformers_gguf_tokenizer(path)
         weights = gguf_loader.iter_weights(reader, hf_config)
@@ -85,7 +85,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
 def load_tokenizer(path: str):
     """The tokenizer alone, from a model folder or a .gguf file."""
     if path.endswith(".gguf"):
-        return gguf_loader.build_tokenizer(gguf_loader._reader(path)) or _transformers_gguf_tokenizer(path)
+        return gguf_loader.build_tokenizer(gguf_loader.GGUFFile(path)) or _transformers_gguf_tokenizer(path)
     return _hf_tokenizer(path)
 
 
