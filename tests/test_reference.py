@@ -107,8 +107,11 @@ def test_parallel_samples_share_prompt_blocks(tiny_models):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
-def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused):
+# Fused decode steps of up to 8 requests run in one parallel region (1 row: the one-row GEMV; 3: the
+# blocked one); larger batches take torch's GEMM inside the fused step.
+@pytest.mark.parametrize("fused,num_requests", [(True, 1), (True, 3), (True, 11), (False, 11)],
+                         ids=["fused-1", "fused-3", "fused-11", "modules-11"])
+def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_requests):
     """bf16 (fused whole-step decode where the CPU kernels run, and module by module) against transformers
     in float32, teacher-forced on our own tokens: each chosen token is the reference's greedy choice up to
     bf16 rounding, and its logprob agrees with the reference's."""
@@ -122,8 +125,8 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused):
     pick = model._fused_decoder
     model._fused_decoder = lambda *a: used.append(pick(*a)) or used[-1]
     tok = llm.get_tokenizer()
-    # 11 requests: decode batches above 8 rows take torch's GEMM inside the fused step.
-    prompt_ids = [tok.encode(p) for p in PROMPTS + [p + " again" for p in PROMPTS[:3]]]
+    prompt_ids = [tok.encode(p) for p in PROMPTS + [p + " again" for p in PROMPTS[:3]]][:num_requests]
+    assert len(prompt_ids) == num_requests
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=1)
     outs = llm.generate(prompt_ids, params, use_tqdm=False)
     fused_steps = sum(f is not None for f in used)

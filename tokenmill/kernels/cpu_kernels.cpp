@@ -13,11 +13,19 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -54,61 +62,103 @@ inline __m512 round_bf16(__m512 v) {
 
 // ---------------------------------------------------------------------------------------------- GEMV
 
-// How far ahead of the weights being read each thread asks for the next ones. A thread's weight rows
-// are adjacent in memory, so what it reads is one contiguous stream; prefetching that stream ahead
-// keeps enough cache lines in flight for one core to approach the memory bandwidth, which the
-// hardware prefetcher alone does not on short (576-element) rows. The distances were chosen by
-// sweeping them on the model's shapes, at both of the speeds this machine's memory shows.
+// A thread's weight rows are adjacent in memory, so what it reads is one contiguous stream; asking for
+// that stream ahead of the reads keeps enough cache lines in flight for one core to approach the memory
+// bandwidth, which the hardware prefetcher alone does not on short (576-element) rows. The distances
+// were chosen by sweeping them on the model's shapes, at both of the speeds this machine's memory shows.
 constexpr int64_t kPrefetchL2Bytes = 16384;  // several input rows: far into L2, and near into L1
 constexpr int64_t kPrefetchL1Bytes = 2048;
 constexpr int64_t kPrefetchRowBytes = 8192;  // one input row: into L1
 
+// A span of weight bytes one thread reads front to back.
+struct Segment {
+  const char* begin;
+  const char* end;
+};
+
+// Walks the weight bytes a thread will read (one or more segments, in the order it reads them) a fixed
+// distance ahead of its reads, asking for one cache line per call. Over several segments, the slices
+// of consecutive matrices in a decode step, the stream runs on across the end of one matrix and the
+// start of the next instead of starting cold at each.
+template <int Locality>  // __builtin_prefetch's: 3 into L1 (T0), 2 into L2 (T1)
+class Lookahead {
+ public:
+  Lookahead() = default;
+  Lookahead(const Segment* segs, int64_t count) : segs_(segs), count_(count) {
+    if (count > 0) p_ = segs[0].begin, end_ = segs[0].end;
+  }
+  // Moves `bytes` ahead of the reads, prefetching those bytes or leaving them to the hardware.
+  void advance(int64_t bytes, bool fetch) {
+    for (int64_t i = 0; i < bytes; i += 64) fetch ? line() : step();
+  }
+  inline void line() {
+    if (step_to_next()) __builtin_prefetch(p_, 0, Locality), p_ += 64;
+  }
+
+ private:
+  inline void step() {
+    if (step_to_next()) p_ += 64;
+  }
+  inline bool step_to_next() {
+    if (p_ < end_) return true;
+    if (i_ + 1 >= count_) return false;
+    ++i_;
+    p_ = segs_[i_].begin;
+    end_ = segs_[i_].end;
+    return p_ < end_;
+  }
+  const Segment* segs_ = nullptr;
+  int64_t count_ = 0, i_ = 0;
+  const char* p_ = nullptr;
+  const char* end_ = nullptr;
+};
+
+using NearAhead = Lookahead<3>;
+using FarAhead = Lookahead<2>;
+
+// Where a GEMV leaves its result y [M, N]: stored, or (accumulate) added to the bf16 values already there,
+// after rounding to bf16 as a separate linear layer followed by a residual add would.
+inline void put(uint16_t* y, float v, const uint16_t* bias, int64_t n, bool accumulate) {
+  if (bias) v += from_bf16(bias[n]);
+  *y = accumulate ? to_bf16(from_bf16(*y) + from_bf16(to_bf16(v))) : to_bf16(v);
+}
+
 // y[n] = x . w[n, :] (+ bias[n]) for one input row and weight rows [n0, n1): each weight row is read
 // front to back, so the thread's reads are a single stream; two accumulators hide the dot-product
-// latency.
+// latency. `ahead` walks the stream kPrefetchRowBytes ahead.
 void gemv_one_row(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, const uint16_t* bias,
-                  uint16_t* y) {
-  const char* stream_end = reinterpret_cast<const char*>(w + n1 * K);
-  const char* ahead = reinterpret_cast<const char*>(w + n0 * K) + kPrefetchRowBytes;
+                  uint16_t* y, bool accumulate, NearAhead& ahead) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint16_t* wr = w + n * K;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 64 <= K; k += 64, ahead += 128) {
-      if (ahead < stream_end) _mm_prefetch(ahead, _MM_HINT_T0);
-      if (ahead + 64 < stream_end) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    for (; k + 64 <= K; k += 64) {
+      ahead.line();
+      ahead.line();
       a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(wr + k));
       a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32), (__m512bh)_mm512_loadu_si512(wr + k + 32));
     }
-    for (; k < K; k += 32, ahead += 64) {
-      if (ahead < stream_end) _mm_prefetch(ahead, _MM_HINT_T0);
+    for (; k < K; k += 32) {
+      ahead.line();
       a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(wr + k));
     }
-    const float b = bias ? from_bf16(bias[n]) : 0.f;
-    y[n] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + b);
+    put(y + n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), bias, n, accumulate);
   }
 }
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for MB input rows against R weight rows at a time, for
-// weight rows [n0, n1).
+// weight rows [n0, n1); `far` and `near` walk the stream kPrefetchL2Bytes and kPrefetchL1Bytes ahead.
 template <int MB, int R>
 void gemv_block(const uint16_t* x, int64_t rows, const uint16_t* w, int64_t K, int64_t n0, int64_t n1,
-                const uint16_t* bias, uint16_t* y, int64_t N) {
-  const char* stream_end = reinterpret_cast<const char*>(w + n1 * K);
+                const uint16_t* bias, uint16_t* y, int64_t N, bool accumulate, FarAhead& far, NearAhead& near) {
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     __m512 acc[MB][R];
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
     const uint16_t* wr = w + n * K;
-    const char* ahead = reinterpret_cast<const char*>(wr);
-    for (int64_t k = 0; k < K; k += 32, ahead += R * 64) {
-      for (int r = 0; r < R; ++r) {
-        const char* far = ahead + kPrefetchL2Bytes + r * 64;
-        const char* near = ahead + kPrefetchL1Bytes + r * 64;
-        if (far < stream_end) _mm_prefetch(far, _MM_HINT_T1);
-        if (near < stream_end) _mm_prefetch(near, _MM_HINT_T0);
-      }
+    for (int64_t k = 0; k < K; k += 32) {
+      for (int r = 0; r < R; ++r) far.line(), near.line();
       __m512bh b[R];
       for (int r = 0; r < R; ++r) b[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
       for (int m = 0; m < MB; ++m) {
@@ -118,39 +168,50 @@ void gemv_block(const uint16_t* x, int64_t rows, const uint16_t* w, int64_t K, i
       }
     }
     for (int m = 0; m < rows; ++m)
-      for (int r = 0; r < R; ++r) {
-        const float b = bias ? from_bf16(bias[n + r]) : 0.f;
-        y[m * N + n + r] = to_bf16(_mm512_reduce_add_ps(acc[m][r]) + b);
-      }
+      for (int r = 0; r < R; ++r) put(y + m * N + n + r, _mm512_reduce_add_ps(acc[m][r]), bias, n + r, accumulate);
   }
-  for (; n < n1; ++n)  // a last partial group of weight rows
+  for (; n < n1; ++n) {  // a last partial group of weight rows
+    for (int64_t k = 0; k < K; k += 32) far.line(), near.line();
     for (int m = 0; m < rows; ++m) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 32)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + m * K + k),
                                (__m512bh)_mm512_loadu_si512(w + n * K + k));
-      const float b = bias ? from_bf16(bias[n]) : 0.f;
-      y[m * N + n] = to_bf16(_mm512_reduce_add_ps(acc) + b);
+      put(y + m * N + n, _mm512_reduce_add_ps(acc), bias, n, accumulate);
     }
+  }
 }
 
 constexpr int64_t kMaxGemvRows = 8;  // more rows re-read the weights: torch's GEMM is better there
 
-// y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxGemvRows, K a multiple of 32.
+// Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxGemvRows, K a multiple of 32,
+// with the thread's weight stream walked by `far` and `near` (only `near` for one row).
+void gemv_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
+               const uint16_t* bias, uint16_t* y, bool accumulate, FarAhead& far, NearAhead& near) {
+  if (M == 1) {
+    gemv_one_row(x, w, K, n0, n1, bias, y, accumulate, near);
+  } else if (M == 2) {
+    gemv_block<2, 4>(x, M, w, K, n0, n1, bias, y, N, accumulate, far, near);
+  } else if (M <= 4) {
+    gemv_block<4, 4>(x, M, w, K, n0, n1, bias, y, N, accumulate, far, near);
+  } else {
+    gemv_block<8, 2>(x, M, w, K, n0, n1, bias, y, N, accumulate, far, near);
+  }
+}
+
+// The same over all of W, threads taking contiguous ranges of weight rows (multiples of 8 rows, so
+// groups never straddle), each its own stream.
 void gemv(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
           uint16_t* y) {
-  // Threads take contiguous ranges of weight rows (multiples of 8 rows, so groups never straddle).
   at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
-    if (M == 1) {
-      gemv_one_row(x, w, K, n0, n1, bias, y);
-    } else if (M == 2) {
-      gemv_block<2, 4>(x, M, w, K, n0, n1, bias, y, N);
-    } else if (M <= 4) {
-      gemv_block<4, 4>(x, M, w, K, n0, n1, bias, y, N);
-    } else {
-      gemv_block<8, 2>(x, M, w, K, n0, n1, bias, y, N);
-    }
+    const Segment seg{reinterpret_cast<const char*>(w + n0 * K), reinterpret_cast<const char*>(w + n1 * K)};
+    FarAhead far(&seg, 1);
+    NearAhead near(&seg, 1);
+    // The first bytes are left to the hardware; the walks start their distance in.
+    far.advance(kPrefetchL2Bytes, false);
+    near.advance(M == 1 ? kPrefetchRowBytes : kPrefetchL1Bytes, false);
+    gemv_rows(x, M, w, K, N, n0, n1, bias, y, false, far, near);
   });
 }
 
@@ -251,53 +312,82 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
 // when window > 0). Work is split into parts of (request, KV heads, token range): with many requests one
 // part per request; with few, per KV head, and each head's tokens split further until every thread has
 // two parts or the ranges get short. Parts are then merged per query head: with M the largest m,
-// out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
+// out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. The plan depends only on the context lengths,
+// so a decode step makes it once for all its layers.
+struct AttentionPlan {
+  int64_t B, H, KVH, D, G, nb, bs, window, head_groups, heads_per_group, chunks = 1, parts, per_part;
+  float scale;
+  const int64_t* bt;
+  const int64_t* lens;
+  std::vector<float> m, l, acc;  // per part and query head: the largest score, exp-sum and V-sum
+
+  AttentionPlan(const int64_t* block_tables, const int64_t* seq_lens, int64_t B_, int64_t H_, int64_t KVH_,
+                int64_t D_, int64_t nb_, int64_t bs_, float scale_, int64_t window_, int64_t threads)
+      : B(B_), H(H_), KVH(KVH_), D(D_), G(H_ / KVH_), nb(nb_), bs(bs_), window(window_), scale(scale_),
+        bt(block_tables), lens(seq_lens) {
+    const bool per_head = B < 2 * threads;
+    head_groups = per_head ? KVH : 1;
+    heads_per_group = per_head ? 1 : KVH;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b]);
+    constexpr int64_t kMinChunk = 64;  // tokens: shorter ranges cost more in merging than they save
+    if (per_head)
+      while (B * KVH * chunks < 2 * threads && longest / (chunks + 1) >= kMinChunk) ++chunks;
+    parts = B * head_groups * chunks;
+    per_part = heads_per_group * G;
+    m.resize(parts * per_part);
+    l.resize(parts * per_part);
+    acc.resize(parts * per_part * D);
+  }
+
+  struct Scratch {
+    std::vector<float> scores;
+    std::vector<__m512> qv, acc;
+  };
+
+  template <typename T>
+  void run_part(int64_t i, const T* q, const T* kc, const T* vc, Scratch& s) {
+    const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
+    const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t t0 = start + (len - start) * c / chunks, t1 = start + (len - start) * (c + 1) / chunks;
+    const int64_t kh0 = kg * heads_per_group;
+    attend_part<T>(q, kc, vc, bt, b, kh0, kh0 + heads_per_group, t0, t1, H, KVH, D, nb, bs, scale,
+                   &m[i * per_part], &l[i * per_part], &acc[i * per_part * D], s.scores, s.qv, s.acc);
+  }
+
+  // out[j] for query head j = b * H + h, from its parts.
+  template <typename T>
+  void merge(int64_t j, T* out, float* o) const {
+    const int64_t b = j / H, h = j % H, kg = (h / G) / heads_per_group, hh = h - kg * per_part;
+    const int64_t first = (b * head_groups + kg) * chunks;
+    float M = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) M = std::max(M, m[(first + c) * per_part + hh]);
+    float denom = 0.f;
+    std::fill(o, o + D, 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = (first + c) * per_part + hh;
+      if (l[k] == 0.f) continue;  // an empty token range
+      const float w = std::exp(m[k] - M);
+      denom += w * l[k];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * acc[k * D + d];
+    }
+    const float inv = 1.f / denom;
+    for (int64_t d = 0; d < D; ++d) out[j * D + d] = static_cast<T>(o[d] * inv);
+  }
+};
+
 template <typename T>
 void decode_attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens, T* out,
                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
                       int64_t window) {
-  const int64_t threads = at::get_num_threads(), G = H / KVH;
-  const bool per_head = B < 2 * threads;
-  const int64_t head_groups = per_head ? KVH : 1, heads_per_group = per_head ? 1 : KVH;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b]);
-  int64_t chunks = 1;
-  constexpr int64_t kMinChunk = 64;  // tokens: shorter ranges cost more in merging than they save
-  if (per_head)
-    while (B * KVH * chunks < 2 * threads && longest / (chunks + 1) >= kMinChunk) ++chunks;
-  const int64_t parts = B * head_groups * chunks, per_part = heads_per_group * G;
-  std::vector<float> m(parts * per_part), l(parts * per_part), acc(parts * per_part * D);
-  at::parallel_for(0, parts, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    std::vector<__m512> qv, vacc;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
-      const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t t0 = start + (len - start) * c / chunks, t1 = start + (len - start) * (c + 1) / chunks;
-      const int64_t kh0 = kg * heads_per_group;
-      attend_part<T>(q, kc, vc, bt, b, kh0, kh0 + heads_per_group, t0, t1, H, KVH, D, nb, bs, scale,
-                     &m[i * per_part], &l[i * per_part], &acc[i * per_part * D], scores, qv, vacc);
-    }
+  AttentionPlan plan(bt, lens, B, H, KVH, D, nb, bs, scale, window, at::get_num_threads());
+  at::parallel_for(0, plan.parts, 1, [&](int64_t i0, int64_t i1) {
+    AttentionPlan::Scratch s;
+    for (int64_t i = i0; i < i1; ++i) plan.run_part<T>(i, q, kc, vc, s);
   });
   at::parallel_for(0, B * H, 16, [&](int64_t j0, int64_t j1) {
     std::vector<float> o(D);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t b = j / H, h = j % H, kg = (h / G) / heads_per_group, hh = h - kg * per_part;
-      const int64_t first = (b * head_groups + kg) * chunks;
-      float M = -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, m[(first + c) * per_part + hh]);
-      float denom = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t k = (first + c) * per_part + hh;
-        if (l[k] == 0.f) continue;  // an empty token range
-        const float w = std::exp(m[k] - M);
-        denom += w * l[k];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * acc[k * D + d];
-      }
-      const float inv = 1.f / denom;
-      for (int64_t d = 0; d < D; ++d) out[j * D + d] = static_cast<T>(o[d] * inv);
-    }
+    for (int64_t j = j0; j < j1; ++j) plan.merge<T>(j, out, o.data());
   });
 }
 
@@ -324,11 +414,11 @@ void add_into(uint16_t* x, const uint16_t* d, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) store_bf16(x + i, _mm512_add_ps(load_bf16(x + i), load_bf16(d + i)));
 }
 
-// out = bf16(bf16(silu(gate)) * up) for one row of gate_up = [gate | up], n a multiple of 16.
-void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t n) {
+// out = bf16(bf16(silu(gate)) * up) over n values, n a multiple of 16.
+void silu_mul(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 g = load_bf16(gate_up + i), u = load_bf16(gate_up + n + i);
+    const __m512 g = load_bf16(gate + i), u = load_bf16(up + i);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
     store_bf16(out + i, _mm512_mul_ps(round_bf16(silu), u));
   }
@@ -342,6 +432,75 @@ void rotate(uint16_t* v, const uint16_t* cos, const uint16_t* sin, int64_t D) {
     v[i] = to_bf16(a * from_bf16(cos[i]) - b * from_bf16(sin[i]));
     v[i + half] = to_bf16(b * from_bf16(cos[i + half]) + a * from_bf16(sin[i + half]));
   }
+}
+
+// ------------------------------------------------------------------------------------------- team
+
+// Waits until `n` threads have arrived. Spinning costs well under a microsecond where a parallel region
+// per operation costs several, which adds up over the ~200 phases of a decode step. A thread that has
+// spun for a while (another one was descheduled: the server's event loop runs too) sleeps on a futex
+// instead, so that its core can run the thread it waits for.
+class SpinBarrier {
+ public:
+  void wait(int n) {
+    if (n <= 1) return;
+    const int gen = generation_.load();
+    if (arrived_.fetch_add(1) == n - 1) {
+      arrived_.store(0);
+      generation_.store(gen + 1);
+      if (sleepers_.load() > 0) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
+      return;
+    }
+    for (int spins = 0; spins < kSpins; ++spins) {
+      if (generation_.load(std::memory_order_acquire) != gen) return;
+      _mm_pause();
+    }
+    while (generation_.load() == gen) {
+      sleepers_.fetch_add(1);
+      futex(FUTEX_WAIT_PRIVATE, gen);  // returns at once if the generation has moved on
+      sleepers_.fetch_sub(1);
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 12;  // ~0.1 ms
+  void futex(int op, int value) {
+    syscall(SYS_futex, reinterpret_cast<int*>(&generation_), op, value, nullptr, nullptr, 0);
+  }
+  std::atomic<int> arrived_{0}, generation_{0}, sleepers_{0};
+  static_assert(sizeof(std::atomic<int>) == sizeof(int), "the futex word is the atomic's int");
+};
+
+// The threads a team asks for: torch's intra-op thread count, but no more than the CPUs this process
+// may run on (a thread per core waiting at barriers for a descheduled one would crawl).
+inline int64_t team_size() {
+  int64_t cpus = at::get_num_threads();
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = std::min<int64_t>(cpus, CPU_COUNT(&set));
+  return std::max<int64_t>(1, cpus);
+}
+
+// Runs body(worker, workers, barrier) on every thread of one parallel region of team_size() threads.
+// The region may have fewer threads than asked for (one, inside another region): each thread counts
+// itself in, and all wait until every index of the region is taken before starting, so `workers` is
+// the true number of threads.
+template <typename F>
+void run_team(int64_t want, const F& body) {
+  std::atomic<int64_t> taken{0};
+  std::atomic<int> joined{0};
+  SpinBarrier barrier;
+  at::parallel_for(0, want, 1, [&](int64_t i0, int64_t i1) {
+    const int me = joined.fetch_add(1);
+    taken.fetch_add(i1 - i0);
+    while (taken.load() < want) std::this_thread::yield();
+    body(me, joined.load(), barrier);
+  });
+}
+
+// Rows [begin, end) of N that worker w of n takes: equal shares, cut at multiples of 16 rows.
+inline std::pair<int64_t, int64_t> share(int64_t N, int w, int n) {
+  auto cut = [&](int i) { return i == n ? N : N * i / n / 16 * 16; };
+  return {cut(w), cut(w + 1)};
 }
 
 // ---------------------------------------------------------------------------------- fused decoder
@@ -378,6 +537,7 @@ class FusedDecoder {
                 "layer shapes do not match the decoder's heads");
     layers_.push_back({input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache, opt(qkv_bias),
                        opt(o_bias), opt(gate_up_bias), opt(down_bias), opt(q_norm), opt(k_norm)});
+    streams_.clear();
   }
 
   // x [B, hidden]: the embedded tokens, one per request, updated in place as the residual stream.
@@ -386,13 +546,147 @@ class FusedDecoder {
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens) {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: bf16 [B, hidden]");
-    cos = cos.contiguous();
-    sin = sin.contiguous();
-    auto slot = slots.to(torch::kLong).contiguous();
-    auto bt = block_tables.to(torch::kLong).contiguous();
-    auto lens = seq_lens.to(torch::kLong).contiguous();
-    const int64_t B = x.size(0), hidden = x.size(1), QS = H_ * D_, KVS = KVH_ * D_;
-    TORCH_CHECK(cos.size(0) == B && cos.size(-1) == D_ && slot.size(0) == B && bt.size(0) == B, "batch mismatch");
+    TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16, "cos, sin: bf16");
+    Step s;
+    s.cos = cos.contiguous();
+    s.sin = sin.contiguous();
+    s.slot = slots.to(torch::kLong).contiguous();
+    s.bt = block_tables.to(torch::kLong).contiguous();
+    s.lens = seq_lens.to(torch::kLong).contiguous();
+    s.B = x.size(0);
+    s.hidden = x.size(1);
+    TORCH_CHECK(s.cos.size(0) == s.B && s.cos.size(-1) == D_ && s.slot.size(0) == s.B && s.bt.size(0) == s.B &&
+                    s.lens.size(0) == s.B, "batch mismatch");
+    auto out = torch::empty_like(x);
+    if (s.B <= kMaxGemvRows && s.hidden % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0)
+      forward_team(s, bits_mut(x), bits_mut(out));
+    else
+      forward_batched(s, x, out);
+    return out;
+  }
+
+ private:
+  struct Step {
+    torch::Tensor cos, sin, slot, bt, lens;
+    int64_t B, hidden;
+  };
+
+  // Request b's new q, k, v (one row of the qkv projection): q/k norms where the model has them, rotary
+  // on q and k, q copied out for attention, k and v written to the cache slot of the new token.
+  void place_token(const LayerWeights& L, const Step& s, int64_t b, uint16_t* row, uint16_t* q) {
+    const int64_t QS = H_ * D_, KVS = KVH_ * D_;
+    uint16_t* qb = row;
+    uint16_t* kb = row + QS;
+    const uint16_t* vb = row + QS + KVS;
+    if (L.q_norm) {
+      rms_norm_rows(qb, bits(*L.q_norm), qb, H_, D_, eps_);
+      rms_norm_rows(kb, bits(*L.k_norm), kb, KVH_, D_, eps_);
+    }
+    const uint16_t* cb = bits(s.cos) + b * D_;
+    const uint16_t* sb = bits(s.sin) + b * D_;
+    for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, D_);
+    for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
+    std::memcpy(q + b * QS, qb, QS * 2);
+    const int64_t slot = s.slot.data_ptr<int64_t>()[b];
+    std::memcpy(reinterpret_cast<uint16_t*>(L.k_cache.data_ptr()) + slot * KVS, kb, KVS * 2);
+    std::memcpy(reinterpret_cast<uint16_t*>(L.v_cache.data_ptr()) + slot * KVS, vb, KVS * 2);
+  }
+
+  // A step of a few requests runs in one parallel region. Each thread computes a fixed share of every
+  // projection's rows, so its weight reads for the whole step are one stream (its slices of each matrix
+  // in turn) walked ahead of it across matrix boundaries; phases that need other threads' results
+  // (the whole qkv row, all heads' attention, the full residual) wait at a barrier. The small
+  // element-wise pieces between projections run on every thread or are split by request.
+  void forward_team(const Step& s, uint16_t* xp, uint16_t* out) {
+    const int64_t B = s.B, hidden = s.hidden, QS = H_ * D_, KVS = KVH_ * D_, QKV = QS + 2 * KVS;
+    const int threads = (int)team_size();
+    plan_streams(threads, hidden);
+    std::vector<uint16_t> qkv(B * QKV), q(B * QS), attn(B * QS), gu(B * 2 * I_), act(B * I_);
+    std::vector<uint16_t> normed(threads * B * hidden);  // each thread's own copy of the normed input
+    AttentionPlan plan(s.bt.data_ptr<int64_t>(), s.lens.data_ptr<int64_t>(), B, H_, KVH_, D_, s.bt.size(1), bs_,
+                       scale_, window_, threads);
+    auto bias = [](const c10::optional<torch::Tensor>& t) { return t ? bits(*t) : nullptr; };
+    const bf16* qh = reinterpret_cast<const bf16*>(q.data());
+    bf16* attn_h = reinterpret_cast<bf16*>(attn.data());
+
+    run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
+      const std::vector<Segment>& stream = streams_[n][w];
+      FarAhead far(stream.data(), stream.size());
+      NearAhead near(stream.data(), stream.size());
+      if (B == 1) {  // start the walks their distance ahead, asking for those first bytes now
+        near.advance(kPrefetchRowBytes, true);
+      } else {
+        far.advance(kPrefetchL2Bytes, true);
+        near.advance(kPrefetchL1Bytes, true);
+      }
+      uint16_t* h = normed.data() + w * B * hidden;
+      const auto [r0, r1] = share(QKV, w, n);
+      const auto [o0, o1] = share(hidden, w, n);
+      const auto [i0, i1] = share(I_, w, n);
+      const int64_t j0 = B * H_ * w / n, j1 = B * H_ * (w + 1) / n;
+      AttentionPlan::Scratch scratch;
+      std::vector<float> merged(D_);
+      for (const auto& L : layers_) {
+        rms_norm_rows(xp, bits(L.input_norm), h, B, hidden, eps_);
+        gemv_rows(h, B, bits(L.qkv), hidden, QKV, r0, r1, bias(L.qkv_bias), qkv.data(), false, far, near);
+        barrier.wait(n);
+        for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv.data() + b * QKV, q.data());
+        barrier.wait(n);
+        const bf16* kc = L.k_cache.data_ptr<bf16>();
+        const bf16* vc = L.v_cache.data_ptr<bf16>();
+        for (int64_t i = w; i < plan.parts; i += n) plan.run_part<bf16>(i, qh, kc, vc, scratch);
+        barrier.wait(n);
+        for (int64_t j = j0; j < j1; ++j) plan.merge<bf16>(j, attn_h, merged.data());
+        barrier.wait(n);
+        gemv_rows(attn.data(), B, bits(L.o), QS, hidden, o0, o1, bias(L.o_bias), xp, true, far, near);
+        barrier.wait(n);
+        rms_norm_rows(xp, bits(L.post_norm), h, B, hidden, eps_);
+        // This thread's gate rows and the matching up rows, so it can apply SwiGLU to them at once.
+        const uint16_t* gu_bias = bias(L.gate_up_bias);
+        gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, i0, i1, gu_bias, gu.data(), false, far, near);
+        gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, I_ + i0, I_ + i1, gu_bias, gu.data(), false, far, near);
+        for (int64_t b = 0; b < B; ++b)
+          silu_mul(gu.data() + b * 2 * I_ + i0, gu.data() + b * 2 * I_ + I_ + i0, act.data() + b * I_ + i0, i1 - i0);
+        barrier.wait(n);
+        gemv_rows(act.data(), B, bits(L.down), I_, hidden, o0, o1, bias(L.down_bias), xp, true, far, near);
+        barrier.wait(n);
+      }
+      for (int64_t b = w; b < B; b += n)
+        rms_norm_rows(xp + b * hidden, bits(final_norm_), out + b * hidden, 1, hidden, eps_);
+    });
+  }
+
+  // The weight bytes thread w of n reads in a step, in order: its rows of qkv, o, gate, up and down of
+  // each layer (the shares forward_team gives it). Made once per thread count.
+  void plan_streams(int threads, int64_t hidden) {
+    if ((int)streams_.size() > threads) return;
+    const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
+    streams_.assign(threads + 1, {});
+    for (int n = 1; n <= threads; ++n) {
+      streams_[n].resize(n);
+      for (int w = 0; w < n; ++w) {
+        auto& segs = streams_[n][w];
+        auto rows = [&](const torch::Tensor& t, int64_t K, int64_t a, int64_t b) {
+          const char* base = reinterpret_cast<const char*>(t.data_ptr());
+          segs.push_back({base + a * K * 2, base + b * K * 2});
+        };
+        const auto [r0, r1] = share(QKV, w, n);
+        const auto [o0, o1] = share(hidden, w, n);
+        const auto [i0, i1] = share(I_, w, n);
+        for (const auto& L : layers_) {
+          rows(L.qkv, hidden, r0, r1);
+          rows(L.o, QS, o0, o1);
+          rows(L.gate_up, hidden, i0, i1);
+          rows(L.gate_up, hidden, I_ + i0, I_ + i1);
+          rows(L.down, I_, o0, o1);
+        }
+      }
+    }
+  }
+
+  // Larger batches: operation by operation, projections through linear_bf16 (torch's GEMM).
+  void forward_batched(const Step& s, torch::Tensor& x, torch::Tensor& out) {
+    const int64_t B = s.B, hidden = s.hidden, QS = H_ * D_, KVS = KVH_ * D_;
     auto h = torch::empty_like(x);
     auto q = torch::empty({B, H_, D_}, x.options());
     auto attn = torch::empty({B, QS}, x.options());
@@ -401,48 +695,28 @@ class FusedDecoder {
     for (auto& L : layers_) {
       rms_norm_rows(xp, bits(L.input_norm), bits_mut(h), B, hidden, eps_);
       auto qkv = linear_bf16(h, L.qkv, L.qkv_bias);
-      uint16_t* kc = bits_mut(L.k_cache);
-      uint16_t* vc = bits_mut(L.v_cache);
-      for (int64_t b = 0; b < B; ++b) {
-        uint16_t* row = bits_mut(qkv) + b * (QS + 2 * KVS);
-        uint16_t* qb = row;
-        uint16_t* kb = row + QS;
-        const uint16_t* vb = row + QS + KVS;
-        if (L.q_norm) {
-          rms_norm_rows(qb, bits(*L.q_norm), qb, H_, D_, eps_);
-          rms_norm_rows(kb, bits(*L.k_norm), kb, KVH_, D_, eps_);
-        }
-        const uint16_t* cb = bits(cos) + b * D_;
-        const uint16_t* sb = bits(sin) + b * D_;
-        for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, D_);
-        for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
-        std::memcpy(bits_mut(q) + b * QS, qb, QS * 2);
-        const int64_t s = slot.data_ptr<int64_t>()[b];
-        std::memcpy(kc + s * KVS, kb, KVS * 2);
-        std::memcpy(vc + s * KVS, vb, KVS * 2);
-      }
+      for (int64_t b = 0; b < B; ++b) place_token(L, s, b, bits_mut(qkv) + b * (QS + 2 * KVS), bits_mut(q));
       decode_attention<bf16>(q.data_ptr<bf16>(), L.k_cache.data_ptr<bf16>(), L.v_cache.data_ptr<bf16>(),
-                             bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), attn.data_ptr<bf16>(), B, H_, KVH_,
-                             D_, bt.size(1), bs_, scale_, window_);
+                             s.bt.data_ptr<int64_t>(), s.lens.data_ptr<int64_t>(), attn.data_ptr<bf16>(), B, H_,
+                             KVH_, D_, s.bt.size(1), bs_, scale_, window_);
       auto o = linear_bf16(attn, L.o, L.o_bias);
       add_into(xp, bits(o), B * hidden);
       rms_norm_rows(xp, bits(L.post_norm), bits_mut(h), B, hidden, eps_);
       auto gu = linear_bf16(h, L.gate_up, L.gate_up_bias);
-      for (int64_t b = 0; b < B; ++b) silu_mul(bits(gu) + b * 2 * I_, bits_mut(act) + b * I_, I_);
+      for (int64_t b = 0; b < B; ++b)
+        silu_mul(bits(gu) + b * 2 * I_, bits(gu) + b * 2 * I_ + I_, bits_mut(act) + b * I_, I_);
       auto d = linear_bf16(act, L.down, L.down_bias);
       add_into(xp, bits(d), B * hidden);
     }
-    auto out = torch::empty_like(x);
     rms_norm_rows(xp, bits(final_norm_), bits_mut(out), B, hidden, eps_);
-    return out;
   }
 
- private:
   int64_t H_, KVH_, D_, I_;
   float eps_, scale_;
   int64_t window_, bs_;
   torch::Tensor final_norm_;
   std::vector<LayerWeights> layers_;
+  std::vector<std::vector<std::vector<Segment>>> streams_;  // [threads][thread]: see plan_streams
 };
 
 }  // namespace
