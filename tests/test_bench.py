@@ -57,3 +57,28 @@ def test_summary_definitions():
     with pytest.raises(ValueError):
         parse_range("9-3")
     assert percentiles([1.0, 2.0, 3.0])["p50"] == 2.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-tied"])
+def test_roofline_counts_the_bytes_each_token_reads(tiny_models, arch):
+    """Bytes per decoded token are the model's parameters as transformers counts them (a tied embedding
+    once, an untied one as one looked-up row plus the output layer), and the decode share is computed
+    from each run's own rate and the bandwidth measured around it."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.bench.roofline import run_roofline, weight_bytes
+
+    llm = LLM(tiny_models[arch], dtype="bfloat16")
+    model = llm.engine.model
+    ref = AutoModelForCausalLM.from_pretrained(tiny_models[arch])
+    hidden, vocab = ref.config.hidden_size, ref.config.vocab_size
+    expected = ref.num_parameters() if arch == "llama3-tied" else ref.num_parameters() - (vocab - 1) * hidden
+    assert weight_bytes(model) == 2 * expected
+    r = run_roofline(llm, context=8, prompt_len=16, repeats=3)
+    assert len(r["decode_pct_of_roofline_runs"]) == 3
+    assert r["decode_pct_of_roofline"] == pytest.approx(sorted(r["decode_pct_of_roofline_runs"])[1])
+    low, high = r["memory_bandwidth_range_GBps"]
+    assert 0 < low <= high == r["memory_bandwidth_GBps"]
+    assert r["decode_achieved_GBps"] == pytest.approx(r["decode_tokens_per_s"] * r["decode_bytes_per_token_MB"] / 1e3)
+    assert r["decode_pct_of_best_bandwidth"] == pytest.approx(
+        100 * r["decode_achieved_GBps"] / r["memory_bandwidth_GBps"])

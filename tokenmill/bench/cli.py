@@ -53,6 +53,7 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     add_engine_args(p)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--prefill-len", type=int, default=500)
+    p.add_argument("--repeats", type=int, default=5, help="decode runs, each between two bandwidth measurements")
     p.add_argument("--json", default=None)
     p.set_defaults(func=lambda a: _roofline(a, engine_kwargs))
 
@@ -126,7 +127,7 @@ def _serve(args) -> int:
 def _roofline(args, engine_kwargs) -> int:
     from tokenmill.bench.roofline import print_roofline, run_roofline
 
-    result = run_roofline(_llm(args, engine_kwargs), args.context, args.prefill_len)
+    result = run_roofline(_llm(args, engine_kwargs), args.context, args.prefill_len, args.repeats)
     print_roofline(result)
     write_json(args.json, result)
     return 0
