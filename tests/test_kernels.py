@@ -107,3 +107,24 @@ def test_paged_decode_attention_splits_long_contexts(dtype, window, lens, kvh):
     out = kernel.paged_decode_attention(q, k_cache, v_cache, bt, lens_t, bs, scale, window or 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 48, 80, 128])  # odd multiples of 16 leave half of the last bf16 pair empty
+@pytest.mark.parametrize("h,kvh", [(7, 1), (8, 2), (4, 4)])  # query heads per KV head above, at and below a group
+def test_paged_decode_attention_head_shapes(dtype, d, h, kvh):
+    g = torch.Generator().manual_seed(d + h)
+    lens, bs = [37, 3, 70], 16
+    width = max(-(-n // bs) for n in lens)
+    blocks = len(lens) * width
+    k_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    bt = torch.randperm(blocks, generator=g).reshape(len(lens), width)
+    lens_t = torch.tensor(lens)
+    scale = d ** -0.5
+    ref = _dense_reference(q, k_cache, v_cache, bt, lens_t, bs, None, scale)
+    for rows in ([0], [0, 1, 2]):  # one request (heads split across threads) and three
+        out = kernel.paged_decode_attention(q[rows], k_cache, v_cache, bt[rows], lens_t[rows], bs, scale, 0)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out.double(), ref[rows], atol=tol, rtol=tol)

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.model.arena import huge_page_buffer
 from tokenmill.sample.sampler import Sampler, token_logprobs
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+def _cache_allocator(shape: tuple, dtype: torch.dtype, device: torch.device):
+    """Zeroed cache tensors. On the CPU they are slices of buffers advised to use huge pages: decode
+    attention reads rows from blocks scattered over a gigabyte, and with 4 KiB pages nearly every
+    block costs a TLB miss."""
+    if device.type != "cpu":
+        return lambda: torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return lambda: huge_page_buffer(nbytes).zero_().view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -24,7 +37,7 @@ class ModelRunner:
         cfg = model.config
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(new_cache(), new_cache()) for new_cache in [_cache_allocator(shape, dtype, device)]
                           for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size, seed)
 

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <atomic>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -248,49 +249,114 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Attention of one request's query heads over a range of its tokens, read through its block table.
-// A part covers the query heads of KV heads [kh0, kh1) and tokens [t0, t1): walking tokens in order and,
-// per token, those heads in order reads each key and value record front to back. For each query head
-// it leaves, in float32, the largest score m, l = sum exp(score - m) and acc = sum exp(score - m) V;
-// parts over different token ranges combine exactly (see merge below).
-template <typename T>
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs are interleaved and added level by
+// level (within 128-bit lanes, then across them), 45 instructions where 16 separate horizontal sums
+// take over 120.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 s[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a, b, c, d], each that lane's sum
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // lanes: [abcd of lanes 0+1, of 2+3, efgh of 0+1, of 2+3]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Attention of one request's query heads over a range of its tokens, read through its block table,
+// for head_dim = 16 DV (a compile-time size, so a row and its accumulators stay in registers).
+// A part covers the query heads of KV heads [kh0, kh1) and tokens [t0, t1). For each query head it
+// leaves, in float32, the largest score m, l = sum exp(score - m) and acc = sum exp(score - m) V;
+// parts over different token ranges combine exactly (see merge below). The cache rows come from
+// scattered blocks and each is used once, so they are prefetched a number of tokens ahead of use.
+template <typename T, int DV>
 void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_t b, int64_t kh0, int64_t kh1,
-                 int64_t t0, int64_t t1, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
-                 float* m_out, float* l_out, float* acc_out, std::vector<float>& scores, std::vector<__m512>& qv,
-                 std::vector<__m512>& acc) {
-  const int64_t G = H / KVH, DV = D / 16, NH = (kh1 - kh0) * G, n = t1 - t0;
+                 int64_t t0, int64_t t1, int64_t H, int64_t KVH, int64_t nb, int64_t bs, float scale,
+                 float* m_out, float* l_out, float* acc_out, std::vector<float>& scores,
+                 std::vector<int64_t>& offsets) {
+  constexpr int64_t D = DV * 16;
+  const int64_t G = H / KVH, NH = (kh1 - kh0) * G, n = t1 - t0;
   scores.resize(NH * std::max<int64_t>(n, 1));
-  qv.resize(NH * DV);
-  acc.assign(NH * DV, _mm512_setzero_ps());
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t h = 0; h < NH; ++h)
-    for (int64_t j = 0; j < DV; ++j) qv[h * DV + j] = _mm512_mul_ps(load16(q + (b * H + kh0 * G + h) * D + j * 16), sc);
-  // Token t of request b lives in cache slot block_table[t / bs] * bs + t % bs. Visit each token's rows
-  // of the part's KV heads in memory order, handing fn (token index in the range, query head, row)
-  // once for each query head that shares the row.
-  auto each_row = [&](const T* cache, auto&& fn) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* rec = cache + (bt[b * nb + t / bs] * bs + t % bs) * KVH * D;
-      for (int64_t kh = kh0; kh < kh1; ++kh) {
-        __m512 row[8];
-        for (int64_t j = 0; j < DV; ++j) row[j] = load16(rec + kh * D + j * 16);
-        for (int64_t g = 0; g < G; ++g) fn(t - t0, (kh - kh0) * G + g, row);
-      }
-    }
+  // Token t of request b lives in cache slot block_table[t / bs] * bs + t % bs; the part's rows of it
+  // are adjacent there. Their offsets are worked out once, block by block (a division per token would
+  // cost more than the attention arithmetic).
+  offsets.resize(std::max<int64_t>(n, 1));
+  for (int64_t t = t0; t < t1;) {
+    const int64_t block = bt[b * nb + t / bs], end = std::min(t1, (t / bs + 1) * bs);
+    for (int64_t slot = block * bs + t % bs; t < end; ++t, ++slot) offsets[t - t0] = (slot * KVH + kh0) * D;
+  }
+  auto rows = [&](const T* cache, int64_t t) { return cache + offsets[t - t0]; };
+  const int64_t row_bytes = (kh1 - kh0) * D * (int64_t)sizeof(T);
+  constexpr int64_t kAhead = 16;  // tokens
+  auto prefetch = [&](const T* cache, int64_t t, auto locality) {
+    if (t >= t1) return;
+    const char* p = reinterpret_cast<const char*>(rows(cache, t));
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o, 0, decltype(locality)::value);
   };
-  each_row(kc, [&](int64_t i, int64_t h, const __m512* k) {
-    __m512 s = _mm512_mul_ps(qv[h * DV], k[0]);
-    for (int64_t j = 1; j < DV; ++j) s = _mm512_fmadd_ps(qv[h * DV + j], k[j], s);
-    scores[h * n + i] = _mm512_reduce_add_ps(s);
-  });
+  using L1 = std::integral_constant<int, 3>;
+  using L2 = std::integral_constant<int, 2>;
+  for (int64_t t = t0; t < std::min(t1, t0 + kAhead); ++t) prefetch(kc, t, L1{});
+
+  // Scores, 16 tokens at a time: a vector of partial products per token, their lanes summed for all
+  // 16 together. bf16 rows are multiplied as bf16 pairs (vdpbf16ps: exact products, float32 sums);
+  // float32 rows with FMAs. The V rows of those tokens are asked into L2 on the way.
+  const __m512 sc = _mm512_set1_ps(scale);
+  constexpr int PAIRS = (DV + 1) / 2;  // 32-element pieces of a bf16 row, the last half empty for odd DV
+  constexpr __mmask32 kLastPiece = DV % 2 ? 0xFFFFu : 0xFFFFFFFFu;
+  auto piece = [](const T* p, int j) {
+    const __mmask32 mask = j == PAIRS - 1 ? kLastPiece : 0xFFFFFFFFu;
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p + j * 32);
+  };
+  for (int64_t ta = t0; ta < t1; ta += 16) {
+    const int64_t cnt = std::min<int64_t>(16, t1 - ta);
+    for (int64_t i = 0; i < cnt; ++i) {
+      prefetch(kc, ta + i + kAhead, L1{});
+      prefetch(vc, ta + i, L2{});
+    }
+    for (int64_t h = 0; h < NH; ++h) {
+      const T* qrow = q + (b * H + kh0 * G + h) * D;
+      const int64_t off = h / G * D;  // the KV head's row within the part's rows
+      __m512 part[16];
+      if constexpr (std::is_same_v<T, bf16>) {
+        __m512bh qh[PAIRS];
+        for (int j = 0; j < PAIRS; ++j) qh[j] = piece(qrow, j);
+        for (int64_t i = 0; i < 16; ++i) {
+          __m512 s = _mm512_setzero_ps();
+          if (i < cnt) {
+            const T* k = rows(kc, ta + i) + off;
+            for (int j = 0; j < PAIRS; ++j) s = _mm512_dpbf16_ps(s, qh[j], piece(k, j));
+          }
+          part[i] = s;
+        }
+      } else {
+        __m512 qh[DV];
+        for (int j = 0; j < DV; ++j) qh[j] = load16(qrow + j * 16);
+        for (int64_t i = 0; i < 16; ++i) {
+          __m512 s = _mm512_setzero_ps();
+          if (i < cnt) {
+            const T* k = rows(kc, ta + i) + off;
+            for (int j = 0; j < DV; ++j) s = _mm512_fmadd_ps(qh[j], load16(k + j * 16), s);
+          }
+          part[i] = s;
+        }
+      }
+      _mm512_mask_storeu_ps(scores.data() + h * n + (ta - t0), (__mmask16)((1u << cnt) - 1),
+                            _mm512_mul_ps(sum_lanes16(part), sc));
+    }
+  }
   for (int64_t h = 0; h < NH; ++h) {  // exp(score - max) in float32
     float* row = scores.data() + h * n;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
-    const __m512 vmx = _mm512_set1_ps(mx);
-    __m512 vsum = _mm512_setzero_ps();
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
+    for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(row + j));
+    float mx = _mm512_reduce_max_ps(vmx);
+    for (; j < n; ++j) mx = std::max(mx, row[j]);
+    vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
       const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmx));
       _mm512_storeu_ps(row + j, e);
       vsum = _mm512_add_ps(vsum, e);
@@ -300,12 +366,31 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
     m_out[h] = mx;
     l_out[h] = sum;
   }
-  each_row(vc, [&](int64_t i, int64_t h, const __m512* v) {
-    const __m512 p = _mm512_set1_ps(scores[h * n + i]);
-    for (int64_t j = 0; j < DV; ++j) acc[h * DV + j] = _mm512_fmadd_ps(p, v[j], acc[h * DV + j]);
-  });
-  for (int64_t h = 0; h < NH; ++h)
-    for (int64_t j = 0; j < DV; ++j) _mm512_storeu_ps(acc_out + h * D + j * 16, acc[h * DV + j]);
+  // acc = sum p V: each V row is converted once and used by up to GB of the query heads sharing it,
+  // their accumulators held in registers.
+  constexpr int GB = DV <= 4 ? 12 / DV : 1;
+  for (int64_t t = t0; t < std::min(t1, t0 + kAhead); ++t) prefetch(vc, t, L1{});
+  for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      const int64_t gc = std::min<int64_t>(GB, G - g0);
+      const float* p = scores.data() + (kh * G + g0) * n - t0;  // p[g * n + t]: head g0 + g, token t
+      __m512 a[GB][DV];
+      for (int g = 0; g < GB; ++g)
+        for (int j = 0; j < DV; ++j) a[g][j] = _mm512_setzero_ps();
+      for (int64_t t = t0; t < t1; ++t) {
+        prefetch(vc, t + kAhead, L1{});
+        const T* v = rows(vc, t) + kh * D;
+        __m512 r[DV];
+        for (int j = 0; j < DV; ++j) r[j] = load16(v + j * 16);
+        for (int g = 0; g < GB; ++g) {
+          if (g >= gc) break;
+          const __m512 pg = _mm512_set1_ps(p[g * n + t]);
+          for (int j = 0; j < DV; ++j) a[g][j] = _mm512_fmadd_ps(pg, r[j], a[g][j]);
+        }
+      }
+      for (int g = 0; g < gc; ++g)
+        for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc_out + (kh * G + g0 + g) * D + j * 16, a[g][j]);
+    }
 }
 
 // out[b, h, :] = softmax(q[b, h] . K[t] * scale) V over each request's tokens (the last `window` ones
@@ -342,7 +427,7 @@ struct AttentionPlan {
 
   struct Scratch {
     std::vector<float> scores;
-    std::vector<__m512> qv, acc;
+    std::vector<int64_t> offsets;
   };
 
   template <typename T>
@@ -350,9 +435,37 @@ struct AttentionPlan {
     const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
     const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     const int64_t t0 = start + (len - start) * c / chunks, t1 = start + (len - start) * (c + 1) / chunks;
-    const int64_t kh0 = kg * heads_per_group;
-    attend_part<T>(q, kc, vc, bt, b, kh0, kh0 + heads_per_group, t0, t1, H, KVH, D, nb, bs, scale,
-                   &m[i * per_part], &l[i * per_part], &acc[i * per_part * D], s.scores, s.qv, s.acc);
+    const int64_t kh0 = kg * heads_per_group, kh1 = kh0 + heads_per_group;
+    float *mo = &m[i * per_part], *lo = &l[i * per_part], *ao = &acc[i * per_part * D];
+    switch (D / 16) {  // head_dim is a multiple of 16, at most 128
+#define TOKENMILL_PART(DV)                                                                                   \
+  case DV:                                                                                                   \
+    return attend_part<T, DV>(q, kc, vc, bt, b, kh0, kh1, t0, t1, H, KVH, nb, bs, scale, mo, lo, ao, s.scores, \
+                              s.offsets);
+      TOKENMILL_PART(1) TOKENMILL_PART(2) TOKENMILL_PART(3) TOKENMILL_PART(4)
+      TOKENMILL_PART(5) TOKENMILL_PART(6) TOKENMILL_PART(7) TOKENMILL_PART(8)
+#undef TOKENMILL_PART
+    }
+  }
+
+  // Asks for part i's K and V rows into L2 ahead of run_part (they come from scattered blocks, and
+  // run_part alone would mostly wait for them).
+  template <typename T>
+  void prefetch_part(int64_t i, const T* kc, const T* vc) const {
+    const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
+    const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t t0 = start + (len - start) * c / chunks, t1 = start + (len - start) * (c + 1) / chunks;
+    const int64_t bytes = heads_per_group * D * (int64_t)sizeof(T);
+    for (int64_t t = t0; t < t1;) {
+      const int64_t block = bt[b * nb + t / bs], end = std::min(t1, (t / bs + 1) * bs);
+      for (int64_t slot = block * bs + t % bs; t < end; ++t, ++slot) {
+        const int64_t off = (slot * KVH + kg * heads_per_group) * D;
+        for (int64_t o = 0; o < bytes; o += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kc + off) + o, 0, 2);
+          __builtin_prefetch(reinterpret_cast<const char*>(vc + off) + o, 0, 2);
+        }
+      }
+    }
   }
 
   // out[j] for query head j = b * H + h, from its parts.
@@ -627,13 +740,14 @@ class FusedDecoder {
       AttentionPlan::Scratch scratch;
       std::vector<float> merged(D_);
       for (const auto& L : layers_) {
+        const bf16* kc = L.k_cache.data_ptr<bf16>();
+        const bf16* vc = L.v_cache.data_ptr<bf16>();
         rms_norm_rows(xp, bits(L.input_norm), h, B, hidden, eps_);
         gemv_rows(h, B, bits(L.qkv), hidden, QKV, r0, r1, bias(L.qkv_bias), qkv.data(), false, far, near);
+        for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<bf16>(i, kc, vc);
         barrier.wait(n);
         for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv.data() + b * QKV, q.data());
         barrier.wait(n);
-        const bf16* kc = L.k_cache.data_ptr<bf16>();
-        const bf16* vc = L.v_cache.data_ptr<bf16>();
         for (int64_t i = w; i < plan.parts; i += n) plan.run_part<bf16>(i, qh, kc, vc, scratch);
         barrier.wait(n);
         for (int64_t j = j0; j < j1; ++j) plan.merge<bf16>(j, attn_h, merged.data());
