@@ -128,3 +128,17 @@ def test_paged_decode_attention_head_shapes(dtype, d, h, kvh):
         out = kernel.paged_decode_attention(q[rows], k_cache, v_cache, bt[rows], lens_t[rows], bs, scale, 0)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(out.double(), ref[rows], atol=tol, rtol=tol)
+
+
+def test_argmax_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 49157, generator=g)  # a length that leaves a tail after the 16-wide steps
+    x[1, 40000] = x[1, 7] = x[1].max() + 1  # ties: the first wins
+    x[2] = float("-inf")
+    x[3, 49156] = 1e9  # the largest in the tail
+    x[4, 12345] = float("nan")  # NaN wins, as in torch
+    x[5] = torch.round(x[5])  # many ties
+    assert torch.equal(kernel.argmax_rows(x), x.argmax(dim=-1))
+    for n in (1, 15, 16, 17):
+        y = torch.randn(3, n, generator=g)
+        assert torch.equal(kernel.argmax_rows(y), y.argmax(dim=-1))

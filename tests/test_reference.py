@@ -149,3 +149,13 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     # a wrong operation (a rotary left out, say) moves them by 1-2.5 nats on average.
     assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < 0.5, (sum(lp_err) / len(lp_err), max(lp_err))
     assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
+
+
+def test_cpu_kernels_build_where_the_cpu_supports_them():
+    """Where the CPU has AVX-512 BF16 and a C++ compiler is installed, the kernels must build: a broken
+    build would otherwise only show as skipped kernel tests and a slow decode."""
+    import shutil
+
+    if not cpu_kernels._cpu_supports() or shutil.which("c++") is None or os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
+        pytest.skip("no AVX-512 BF16, no C++ compiler, or the kernels are switched off")
+    assert cpu_kernels.load() is not None

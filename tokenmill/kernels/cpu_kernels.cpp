@@ -90,7 +90,12 @@ class Lookahead {
   }
   // Moves `bytes` ahead of the reads, prefetching those bytes or leaving them to the hardware.
   void advance(int64_t bytes, bool fetch) {
-    for (int64_t i = 0; i < bytes; i += 64) fetch ? line() : step();
+    for (int64_t i = 0; i < bytes; i += 64) {
+      if (fetch)
+        line();
+      else
+        step();
+    }
   }
   inline void line() {
     if (step_to_next()) __builtin_prefetch(p_, 0, Locality), p_ += 64;
@@ -870,11 +875,57 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// The index of each row's largest value (the first, on ties; the first NaN where a row has one), as
+// torch.argmax gives it: each of 16 lanes keeps its own best in order, then the lanes are compared.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "float32 [rows, n] expected");
+  x = x.contiguous();
+  const int64_t R = x.size(0), N = x.size(1);
+  TORCH_CHECK(N > 0 && N < (int64_t(1) << 31), "row length out of range");
+  auto out = torch::empty({R}, torch::kLong);
+  const __m512i none = _mm512_set1_epi32(-1), step = _mm512_set1_epi32(16);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x.data_ptr<float>() + r * N;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_i = none, idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= N; i += 16, idx = _mm512_add_epi32(idx, step)) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      // Greater, or equal to a lane's -inf start that no value has taken yet (a row of -inf).
+      const __mmask16 take = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                             (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) & _mm512_cmpeq_epi32_mask(best_i, none));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      best = _mm512_mask_mov_ps(best, take, v);
+      best_i = _mm512_mask_mov_epi32(best_i, take, idx);
+    }
+    alignas(64) float lane_v[16];
+    alignas(64) int32_t lane_i[16];
+    _mm512_store_ps(lane_v, best);
+    _mm512_store_si512(lane_i, best_i);
+    float bv = -INFINITY;
+    int64_t bi = -1;
+    for (int l = 0; l < 16; ++l)
+      if (lane_i[l] >= 0 && (bi < 0 || lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < bi))) bv = lane_v[l], bi = lane_i[l];
+    for (; i < N; ++i) {
+      if (std::isnan(row[i])) nan = 1;
+      if (bi < 0 || row[i] > bv) bv = row[i], bi = i;
+    }
+    if (nan) {
+      for (int64_t j = 0; j < N; ++j)
+        if (std::isnan(row[j])) { bi = j; break; }
+    }
+    out.data_ptr<int64_t>()[r] = bi;
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("gemv_bf16", &gemv_bf16, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), release());
   m.def("paged_decode_attention", &paged_decode_attention, release());
+  m.def("argmax_rows", &argmax_rows, release());
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor>())
       .def("add_layer", &FusedDecoder::add_layer)

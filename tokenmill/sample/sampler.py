@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.request import Request
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.outputs import Logprob
 
 _NEG_INF = float("-inf")
@@ -88,7 +89,7 @@ class Sampler:
         apply_bias_and_min_tokens(logits, reqs)
         apply_penalties(logits, reqs, self.vocab_size)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = cpu_kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if random_rows:
             sub = logits[random_rows]
@@ -106,7 +107,7 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 gen = reqs[i].generator or self.generator
                 noise[j] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(probs.device)
-            tokens[random_rows] = (probs / noise).argmax(dim=-1)
+            tokens[random_rows] = cpu_kernels.argmax(probs / noise)
 
         token_list = tokens.tolist()
         logprobs: list[dict | None] = [None] * len(reqs)
