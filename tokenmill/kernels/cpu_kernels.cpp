@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <chrono>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -556,8 +557,9 @@ void rotate(uint16_t* v, const uint16_t* cos, const uint16_t* sin, int64_t D) {
 
 // Waits until `n` threads have arrived. Spinning costs well under a microsecond where a parallel region
 // per operation costs several, which adds up over the ~200 phases of a decode step. A thread that has
-// spun for a while (another one was descheduled: the server's event loop runs too) sleeps on a futex
-// instead, so that its core can run the thread it waits for.
+// spun for 0.1 ms (far longer than threads in step drift apart) sleeps on a futex instead: the thread
+// it waits for has lost its core (to the server's event loop, or a kernel thread), and an idle core
+// lets the scheduler move it there.
 class SpinBarrier {
  public:
   void wait(int n) {
@@ -569,9 +571,11 @@ class SpinBarrier {
       if (sleepers_.load() > 0) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
       return;
     }
-    for (int spins = 0; spins < kSpins; ++spins) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 1;; ++spins) {
       if (generation_.load(std::memory_order_acquire) != gen) return;
       _mm_pause();
+      if (spins % 1024 == 0 && std::chrono::steady_clock::now() - start > kSpinTime) break;
     }
     while (generation_.load() == gen) {
       sleepers_.fetch_add(1);
@@ -581,7 +585,7 @@ class SpinBarrier {
   }
 
  private:
-  static constexpr int kSpins = 1 << 12;  // ~0.1 ms
+  static constexpr std::chrono::microseconds kSpinTime{100};
   void futex(int op, int value) {
     syscall(SYS_futex, reinterpret_cast<int*>(&generation_), op, value, nullptr, nullptr, 0);
   }
