@@ -139,6 +139,8 @@ def test_argmax_matches_torch():
     x[4, 12345] = float("nan")  # NaN wins, as in torch
     x[5] = torch.round(x[5])  # many ties
     assert torch.equal(kernel.argmax_rows(x), x.argmax(dim=-1))
+    xb = x.bfloat16()  # rounding makes more ties
+    assert torch.equal(kernel.argmax_rows(xb), xb.float().argmax(dim=-1))
     for n in (1, 15, 16, 17):
         y = torch.randn(3, n, generator=g)
         assert torch.equal(kernel.argmax_rows(y), y.argmax(dim=-1))

@@ -640,12 +640,19 @@ struct LayerWeights {
 
 class FusedDecoder {
  public:
+  // embed [vocab, hidden] bf16: the token embedding; cos, sin [positions, head_dim] float32: the rotary
+  // tables (rounded to bf16 as the eager model rounds them).
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scale, int64_t window, int64_t block_size, torch::Tensor final_norm)
+               double scale, int64_t window, int64_t block_size, torch::Tensor final_norm, torch::Tensor embed,
+               torch::Tensor cos, torch::Tensor sin)
       : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps),
-        scale_((float)scale), window_(window), bs_(block_size), final_norm_(final_norm.contiguous()) {
+        scale_((float)scale), window_(window), bs_(block_size), final_norm_(final_norm.contiguous()),
+        embed_(embed.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()) {
     TORCH_CHECK(D_ % 16 == 0 && D_ <= 128, "head_dim must be a multiple of 16, at most 128");
     TORCH_CHECK(H_ % KVH_ == 0, "heads must be a multiple of KV heads");
+    TORCH_CHECK(embed_.scalar_type() == torch::kBFloat16 && embed_.dim() == 2, "embed: bf16 [vocab, hidden]");
+    TORCH_CHECK(cos_.scalar_type() == torch::kFloat && cos_.sizes() == sin_.sizes() && cos_.size(1) == D_,
+                "cos, sin: float32 [positions, head_dim]");
   }
 
   void add_layer(torch::Tensor input_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
@@ -662,23 +669,35 @@ class FusedDecoder {
     streams_.clear();
   }
 
-  // x [B, hidden]: the embedded tokens, one per request, updated in place as the residual stream.
-  // cos, sin [B, D] bf16; slots [B] cache slot of each new token; block_tables [B, nb]; seq_lens [B]
-  // context lengths including the new token. Returns the final-normed hidden states [B, hidden].
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+  // input_ids, positions [B]: each request's new token and its position; slots [B] the cache slot of
+  // each new token; block_tables [B, nb]; seq_lens [B] context lengths including the new token.
+  // Returns the final-normed hidden states [B, hidden].
+  torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens) {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: bf16 [B, hidden]");
-    TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16, "cos, sin: bf16");
+    auto ids = input_ids.to(torch::kLong).contiguous();
+    auto pos = positions.to(torch::kLong).contiguous();
     Step s;
-    s.cos = cos.contiguous();
-    s.sin = sin.contiguous();
     s.slot = slots.to(torch::kLong).contiguous();
     s.bt = block_tables.to(torch::kLong).contiguous();
     s.lens = seq_lens.to(torch::kLong).contiguous();
-    s.B = x.size(0);
-    s.hidden = x.size(1);
-    TORCH_CHECK(s.cos.size(0) == s.B && s.cos.size(-1) == D_ && s.slot.size(0) == s.B && s.bt.size(0) == s.B &&
-                    s.lens.size(0) == s.B, "batch mismatch");
+    s.B = ids.size(0);
+    s.hidden = embed_.size(1);
+    TORCH_CHECK(pos.size(0) == s.B && s.slot.size(0) == s.B && s.bt.size(0) == s.B && s.lens.size(0) == s.B,
+                "batch mismatch");
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
+    auto x = torch::empty({s.B, s.hidden}, opts);  // the residual stream, starting from the embeddings
+    s.cos = torch::empty({s.B, D_}, opts);
+    s.sin = torch::empty({s.B, D_}, opts);
+    for (int64_t b = 0; b < s.B; ++b) {
+      const int64_t id = ids.data_ptr<int64_t>()[b], p = pos.data_ptr<int64_t>()[b];
+      TORCH_CHECK(id >= 0 && id < embed_.size(0), "token id out of range");
+      TORCH_CHECK(p >= 0 && p < cos_.size(0), "position beyond the rotary table");
+      std::memcpy(bits_mut(x) + b * s.hidden, bits(embed_) + id * s.hidden, s.hidden * 2);
+      for (int64_t d = 0; d < D_; ++d) {
+        bits_mut(s.cos)[b * D_ + d] = to_bf16(cos_.data_ptr<float>()[p * D_ + d]);
+        bits_mut(s.sin)[b * D_ + d] = to_bf16(sin_.data_ptr<float>()[p * D_ + d]);
+      }
+    }
     auto out = torch::empty_like(x);
     if (s.B <= kMaxGemvRows && s.hidden % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0)
       forward_team(s, bits_mut(x), bits_mut(out));
@@ -837,7 +856,7 @@ class FusedDecoder {
   int64_t H_, KVH_, D_, I_;
   float eps_, scale_;
   int64_t window_, bs_;
-  torch::Tensor final_norm_;
+  torch::Tensor final_norm_, embed_, cos_, sin_;
   std::vector<LayerWeights> layers_;
   std::vector<std::vector<std::vector<Segment>>> streams_;  // [threads][thread]: see plan_streams
 };
@@ -879,48 +898,56 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// The index of each row's largest value (the first, on ties; the first NaN where a row has one), as
+// The index of a row's largest value (the first, on ties; the first NaN where the row has one), as
 // torch.argmax gives it: each of 16 lanes keeps its own best in order, then the lanes are compared.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t N) {
+  auto at = [&](int64_t i) -> float {
+    if constexpr (std::is_same_v<T, float>) return row[i];
+    else return from_bf16(reinterpret_cast<const uint16_t*>(row)[i]);
+  };
+  const __m512i none = _mm512_set1_epi32(-1), step = _mm512_set1_epi32(16);
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_i = none, idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= N; i += 16, idx = _mm512_add_epi32(idx, step)) {
+    const __m512 v = load16(row + i);
+    // Greater, or equal to a lane's -inf start that no value has taken yet (a row of -inf).
+    const __mmask16 take = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                           (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) & _mm512_cmpeq_epi32_mask(best_i, none));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_mov_ps(best, take, v);
+    best_i = _mm512_mask_mov_epi32(best_i, take, idx);
+  }
+  alignas(64) float lane_v[16];
+  alignas(64) int32_t lane_i[16];
+  _mm512_store_ps(lane_v, best);
+  _mm512_store_si512(lane_i, best_i);
+  float bv = -INFINITY;
+  int64_t bi = -1;
+  for (int l = 0; l < 16; ++l)
+    if (lane_i[l] >= 0 && (bi < 0 || lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < bi))) bv = lane_v[l], bi = lane_i[l];
+  for (; i < N; ++i) {
+    if (std::isnan(at(i))) nan = 1;
+    if (bi < 0 || at(i) > bv) bv = at(i), bi = i;
+  }
+  if (nan)
+    for (int64_t j = 0; j < N; ++j)
+      if (std::isnan(at(j))) return j;
+  return bi;
+}
+
 torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "float32 [rows, n] expected");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "float32 or bfloat16 [rows, n] expected");
   x = x.contiguous();
   const int64_t R = x.size(0), N = x.size(1);
   TORCH_CHECK(N > 0 && N < (int64_t(1) << 31), "row length out of range");
   auto out = torch::empty({R}, torch::kLong);
-  const __m512i none = _mm512_set1_epi32(-1), step = _mm512_set1_epi32(16);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = x.data_ptr<float>() + r * N;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i best_i = none, idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __mmask16 nan = 0;
-    int64_t i = 0;
-    for (; i + 16 <= N; i += 16, idx = _mm512_add_epi32(idx, step)) {
-      const __m512 v = _mm512_loadu_ps(row + i);
-      // Greater, or equal to a lane's -inf start that no value has taken yet (a row of -inf).
-      const __mmask16 take = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
-                             (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) & _mm512_cmpeq_epi32_mask(best_i, none));
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      best = _mm512_mask_mov_ps(best, take, v);
-      best_i = _mm512_mask_mov_epi32(best_i, take, idx);
-    }
-    alignas(64) float lane_v[16];
-    alignas(64) int32_t lane_i[16];
-    _mm512_store_ps(lane_v, best);
-    _mm512_store_si512(lane_i, best_i);
-    float bv = -INFINITY;
-    int64_t bi = -1;
-    for (int l = 0; l < 16; ++l)
-      if (lane_i[l] >= 0 && (bi < 0 || lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < bi))) bv = lane_v[l], bi = lane_i[l];
-    for (; i < N; ++i) {
-      if (std::isnan(row[i])) nan = 1;
-      if (bi < 0 || row[i] > bv) bv = row[i], bi = i;
-    }
-    if (nan) {
-      for (int64_t j = 0; j < N; ++j)
-        if (std::isnan(row[j])) { bi = j; break; }
-    }
-    out.data_ptr<int64_t>()[r] = bi;
-  }
+  for (int64_t r = 0; r < R; ++r)
+    out.data_ptr<int64_t>()[r] = x.scalar_type() == torch::kFloat ? argmax_row(x.data_ptr<float>() + r * N, N)
+                                                                  : argmax_row(x.data_ptr<bf16>() + r * N, N);
   return out;
 }
 
@@ -931,7 +958,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, release());
   m.def("argmax_rows", &argmax_rows, release());
   py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor>())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor, torch::Tensor,
+                    torch::Tensor, torch::Tensor>())
       .def("add_layer", &FusedDecoder::add_layer)
       .def("forward", &FusedDecoder::forward, release());
 }

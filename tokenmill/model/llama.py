@@ -128,13 +128,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch; K/V of the new tokens are written to kv_caches."""
+        fused = self._fused_decoder(kv_caches, meta)
+        if fused is not None:
+            return fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                 meta.decode_seq_lens)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        fused = self._fused_decoder(x, kv_caches, meta)
-        if fused is not None:
-            cos, sin = rope
-            return fused.forward(x, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, meta.decode_block_tables,
-                                 meta.decode_seq_lens)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
@@ -142,10 +141,11 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ fused decode
     use_fused_decode = True  # False keeps every step on the module-by-module path
 
-    def _fused_decoder(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
+    def _fused_decoder(self, kv_caches: list, meta: AttentionMetadata):
         """The compiled whole-step decoder when this step is decode only, bf16 on a CPU that runs it; else None."""
+        weight = self.embed_tokens.weight
         if not (self.use_fused_decode and meta.num_reqs and meta.num_decodes == meta.num_reqs
-                and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+                and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
             return None
         key = (id(kv_caches), kv_caches[0][0].data_ptr(), meta.block_size)
         cached = getattr(self, "_fused", None)
@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         first = self.layers[0].self_attn
         fused = kernels.FusedDecoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                      cfg.rms_norm_eps, first.scale, first.sliding_window or 0, block_size,
-                                     t(self.norm))
+                                     t(self.norm), t(self.embed_tokens), self.rotary.cos.float(), self.rotary.sin.float())
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
             fused.add_layer(t(layer.input_layernorm), t(a.qkv_proj), t(a.qkv_proj, "bias"), t(a.q_norm), t(a.k_norm),
