@@ -70,7 +70,7 @@ inline __m512 round_bf16(__m512 v) {
 // were chosen by sweeping them on the model's shapes, at both of the speeds this machine's memory shows.
 constexpr int64_t kPrefetchL2Bytes = 16384;  // several input rows: far into L2, and near into L1
 constexpr int64_t kPrefetchL1Bytes = 2048;
-constexpr int64_t kPrefetchRowBytes = 8192;  // one input row: into L1
+constexpr int64_t kPrefetchRowBytes = 4096;  // one input row: into L1
 
 // A span of weight bytes one thread reads front to back.
 struct Segment {
