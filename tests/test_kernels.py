@@ -47,6 +47,18 @@ def _paged_case(dtype, window):
     return q, k_cache, v_cache, bt, lens, bs, window
 
 
+def _random_requests(lens, h, kvh, d, bs, dtype, seed):
+    """Random queries and caches for requests of the given context lengths, their blocks scattered."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // bs) for n in lens)
+    blocks = len(lens) * width
+    k_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    bt = torch.randperm(blocks, generator=g).reshape(len(lens), width)
+    return q, k_cache, v_cache, bt, torch.tensor(lens)
+
+
 def _dense_reference(q, k_cache, v_cache, bt, lens, bs, window, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
     for i in range(q.shape[0]):
@@ -93,15 +105,8 @@ def test_paged_decode_attention_kernel_and_fallback(dtype, window, batch, monkey
 def test_paged_decode_attention_splits_long_contexts(dtype, window, lens, kvh):
     """Few requests with long contexts: each head's tokens are split into ranges (some empty, for the
     one-token request) that threads compute apart and the kernel merges."""
-    g = torch.Generator().manual_seed(len(lens))
-    h, d, bs = 6, 64, 16
-    width = max(-(-n // bs) for n in lens)
-    blocks = len(lens) * width
-    k_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
-    v_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
-    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
-    bt = torch.randperm(blocks, generator=g).reshape(len(lens), width)
-    lens_t = torch.tensor(lens)
+    d, bs = 64, 16
+    q, k_cache, v_cache, bt, lens_t = _random_requests(lens, 6, kvh, d, bs, dtype, seed=len(lens))
     scale = d ** -0.5
     ref = _dense_reference(q, k_cache, v_cache, bt, lens_t, bs, window, scale)
     out = kernel.paged_decode_attention(q, k_cache, v_cache, bt, lens_t, bs, scale, window or 0)
@@ -113,15 +118,8 @@ def test_paged_decode_attention_splits_long_contexts(dtype, window, lens, kvh):
 @pytest.mark.parametrize("d", [16, 48, 80, 128])  # odd multiples of 16 leave half of the last bf16 pair empty
 @pytest.mark.parametrize("h,kvh", [(7, 1), (8, 2), (4, 4)])  # query heads per KV head above, at and below a group
 def test_paged_decode_attention_head_shapes(dtype, d, h, kvh):
-    g = torch.Generator().manual_seed(d + h)
-    lens, bs = [37, 3, 70], 16
-    width = max(-(-n // bs) for n in lens)
-    blocks = len(lens) * width
-    k_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
-    v_cache = torch.randn(blocks * bs, kvh, d, generator=g).to(dtype)
-    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
-    bt = torch.randperm(blocks, generator=g).reshape(len(lens), width)
-    lens_t = torch.tensor(lens)
+    bs = 16
+    q, k_cache, v_cache, bt, lens_t = _random_requests([37, 3, 70], h, kvh, d, bs, dtype, seed=d + h)
     scale = d ** -0.5
     ref = _dense_reference(q, k_cache, v_cache, bt, lens_t, bs, None, scale)
     for rows in ([0], [0, 1, 2]):  # one request (heads split across threads) and three

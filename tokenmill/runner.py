@@ -37,8 +37,8 @@ class ModelRunner:
         cfg = model.config
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
-        self.kv_caches = [(new_cache(), new_cache()) for new_cache in [_cache_allocator(shape, dtype, device)]
-                          for _ in range(cfg.num_layers)]
+        new_cache = _cache_allocator(shape, dtype, device)
+        self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size, seed)
 
     @torch.inference_mode()

@@ -272,6 +272,17 @@ inline __m512 sum_lanes16(const __m512* v) {
                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// fn(t, slot) for tokens [t0, t1) of a request whose block table row is `table`: token t lives in cache
+// slot table[t / bs] * bs + t % bs. Walked block by block (a division per token would cost more than
+// the attention arithmetic).
+template <typename F>
+inline void for_each_slot(const int64_t* table, int64_t bs, int64_t t0, int64_t t1, const F& fn) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t end = std::min(t1, (t / bs + 1) * bs);
+    for (int64_t slot = table[t / bs] * bs + t % bs; t < end; ++t, ++slot) fn(t, slot);
+  }
+}
+
 // Attention of one request's query heads over a range of its tokens, read through its block table,
 // for head_dim = 16 DV (a compile-time size, so a row and its accumulators stay in registers).
 // A part covers the query heads of KV heads [kh0, kh1) and tokens [t0, t1). For each query head it
@@ -286,14 +297,9 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
   constexpr int64_t D = DV * 16;
   const int64_t G = H / KVH, NH = (kh1 - kh0) * G, n = t1 - t0;
   scores.resize(NH * std::max<int64_t>(n, 1));
-  // Token t of request b lives in cache slot block_table[t / bs] * bs + t % bs; the part's rows of it
-  // are adjacent there. Their offsets are worked out once, block by block (a division per token would
-  // cost more than the attention arithmetic).
+  // The part's rows of a token are adjacent in its cache slot; their offsets are worked out once.
   offsets.resize(std::max<int64_t>(n, 1));
-  for (int64_t t = t0; t < t1;) {
-    const int64_t block = bt[b * nb + t / bs], end = std::min(t1, (t / bs + 1) * bs);
-    for (int64_t slot = block * bs + t % bs; t < end; ++t, ++slot) offsets[t - t0] = (slot * KVH + kh0) * D;
-  }
+  for_each_slot(bt + b * nb, bs, t0, t1, [&](int64_t t, int64_t slot) { offsets[t - t0] = (slot * KVH + kh0) * D; });
   auto rows = [&](const T* cache, int64_t t) { return cache + offsets[t - t0]; };
   const int64_t row_bytes = (kh1 - kh0) * D * (int64_t)sizeof(T);
   constexpr int64_t kAhead = 16;  // tokens
@@ -436,12 +442,20 @@ struct AttentionPlan {
     std::vector<int64_t> offsets;
   };
 
-  template <typename T>
-  void run_part(int64_t i, const T* q, const T* kc, const T* vc, Scratch& s) {
+  // Part i: request b's KV heads [kh0, kh1) over its tokens [t0, t1).
+  struct Part {
+    int64_t b, kh0, kh1, t0, t1;
+  };
+  Part part(int64_t i) const {
     const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
     const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t t0 = start + (len - start) * c / chunks, t1 = start + (len - start) * (c + 1) / chunks;
-    const int64_t kh0 = kg * heads_per_group, kh1 = kh0 + heads_per_group;
+    return {b, kg * heads_per_group, (kg + 1) * heads_per_group, start + (len - start) * c / chunks,
+            start + (len - start) * (c + 1) / chunks};
+  }
+
+  template <typename T>
+  void run_part(int64_t i, const T* q, const T* kc, const T* vc, Scratch& s) {
+    const auto [b, kh0, kh1, t0, t1] = part(i);
     float *mo = &m[i * per_part], *lo = &l[i * per_part], *ao = &acc[i * per_part * D];
     switch (D / 16) {  // head_dim is a multiple of 16, at most 128
 #define TOKENMILL_PART(DV)                                                                                   \
@@ -458,20 +472,15 @@ struct AttentionPlan {
   // run_part alone would mostly wait for them).
   template <typename T>
   void prefetch_part(int64_t i, const T* kc, const T* vc) const {
-    const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
-    const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t t0 = start + (len - start) * c / chunks, t1 = start + (len - start) * (c + 1) / chunks;
-    const int64_t bytes = heads_per_group * D * (int64_t)sizeof(T);
-    for (int64_t t = t0; t < t1;) {
-      const int64_t block = bt[b * nb + t / bs], end = std::min(t1, (t / bs + 1) * bs);
-      for (int64_t slot = block * bs + t % bs; t < end; ++t, ++slot) {
-        const int64_t off = (slot * KVH + kg * heads_per_group) * D;
-        for (int64_t o = 0; o < bytes; o += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kc + off) + o, 0, 2);
-          __builtin_prefetch(reinterpret_cast<const char*>(vc + off) + o, 0, 2);
-        }
+    const Part p = part(i);
+    const int64_t bytes = (p.kh1 - p.kh0) * D * (int64_t)sizeof(T);
+    for_each_slot(bt + p.b * nb, bs, p.t0, p.t1, [&](int64_t, int64_t slot) {
+      const int64_t off = (slot * KVH + p.kh0) * D;
+      for (int64_t o = 0; o < bytes; o += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kc + off) + o, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(vc + off) + o, 0, 2);
       }
-    }
+    });
   }
 
   // out[j] for query head j = b * H + h, from its parts.
@@ -688,14 +697,16 @@ class FusedDecoder {
     auto x = torch::empty({s.B, s.hidden}, opts);  // the residual stream, starting from the embeddings
     s.cos = torch::empty({s.B, D_}, opts);
     s.sin = torch::empty({s.B, D_}, opts);
+    const float* cos_table = cos_.data_ptr<float>();
+    const float* sin_table = sin_.data_ptr<float>();
     for (int64_t b = 0; b < s.B; ++b) {
       const int64_t id = ids.data_ptr<int64_t>()[b], p = pos.data_ptr<int64_t>()[b];
       TORCH_CHECK(id >= 0 && id < embed_.size(0), "token id out of range");
       TORCH_CHECK(p >= 0 && p < cos_.size(0), "position beyond the rotary table");
       std::memcpy(bits_mut(x) + b * s.hidden, bits(embed_) + id * s.hidden, s.hidden * 2);
       for (int64_t d = 0; d < D_; ++d) {
-        bits_mut(s.cos)[b * D_ + d] = to_bf16(cos_.data_ptr<float>()[p * D_ + d]);
-        bits_mut(s.sin)[b * D_ + d] = to_bf16(sin_.data_ptr<float>()[p * D_ + d]);
+        bits_mut(s.cos)[b * D_ + d] = to_bf16(cos_table[p * D_ + d]);
+        bits_mut(s.sin)[b * D_ + d] = to_bf16(sin_table[p * D_ + d]);
       }
     }
     auto out = torch::empty_like(x);
