@@ -20,13 +20,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of repeated prompt prefixes (default: on)")
+    g.add_argument("--num-scheduler-steps", type=int, default=8,
+                   help="greedy decode steps run back to back per engine step on the CPU kernels (default 8; 1: "
+                        "one at a time, outputs token by token)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching, num_scheduler_steps=args.num_scheduler_steps)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -82,6 +82,9 @@ class EngineConfig:
     block_size: int = 16
     seed: int = 0
     enable_prefix_caching: bool = True
+    # Greedy decode steps one engine step may run back to back where the CPU decode kernels run (1: one
+    # step at a time). Fewer returns to Python per token; outputs then arrive a few tokens at a time.
+    num_scheduler_steps: int = 8
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens}")
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -40,6 +41,53 @@ class ModelRunner:
         new_cache = _cache_allocator(shape, dtype, device)
         self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size, seed)
+        self._burst = None  # the fused decoder while it runs a burst of decode steps
+        self._bursts_run = True  # False once the model has shown it has no fused decoder here
+
+    @torch.inference_mode()
+    def execute_burst(self, sched: SchedulerOutput, steps: int,
+                      interrupted: Callable[[], bool]) -> list[list[int]] | None:
+        """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
+        fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
+        step's tokens in the order of sched.scheduled, or None (nothing run) where the fused decoder does
+        not run this batch or interrupted() already holds. The burst ends early when every request has
+        produced a stop token, or after the step running when interrupt() is called."""
+        pick = getattr(self.model, "_fused_decoder", None)
+        if pick is None or not self._bursts_run:
+            return None
+        items = sched.scheduled
+        input_ids, positions, meta, _ = self._prepare(items)
+        fused = pick(self.kv_caches, meta)
+        if fused is None:  # not bf16, not this CPU, or a shape the kernels do not take
+            self._bursts_run = False
+            return None
+        bs = self.block_size
+
+        def slot(req: Request, position: int) -> int:
+            return req.block_ids[position // bs] * bs + position % bs
+
+        def stops(sp) -> list[int]:
+            return list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
+
+        slots = torch.tensor([[slot(s.request, s.request.num_computed_tokens + j) for s in items] for j in range(steps)],
+                             dtype=torch.long)
+        stop_ids = [stops(s.request.sampling_params) for s in items]
+        fused.clear_interrupt()
+        self._burst = fused  # from here on interrupt() reaches it; before, interrupted() tells
+        try:
+            if interrupted():
+                return None
+            tokens = fused.decode_greedy(input_ids, positions, slots, meta.decode_block_tables, meta.decode_seq_lens,
+                                         self.model.output_weight().detach(), stop_ids)
+        finally:
+            self._burst = None
+        return tokens.tolist()
+
+    def interrupt(self) -> None:
+        """End a running burst after its current step (any thread)."""
+        fused = self._burst
+        if fused is not None:
+            fused.interrupt()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

@@ -61,7 +61,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._commands.put(("wake",))
+        self._send(("wake",))
         self._thread.join(timeout)
 
     def add_death_callback(self, fn: Callable[[], None]) -> None:
@@ -84,7 +84,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._count_pending(+1)
-        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, time.time()))
+        self._send(("add", request_id, prompt, prompt_token_ids, params, time.time()))
         finished = False
         try:
             while True:
@@ -105,11 +105,16 @@ class AsyncEngine:
             self._pending_adds += delta
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._send(("abort", request_id))
 
     def call(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run fn(engine) on the engine thread between steps."""
-        self._commands.put(("call", fn))
+        self._send(("call", fn))
+
+    def _send(self, cmd: tuple) -> None:
+        """Queue a command for the engine thread, cutting short a burst of decode steps it may be running."""
+        self._commands.put(cmd)
+        self.engine.interrupt()
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -120,6 +125,7 @@ class AsyncEngine:
         steps = 0
         try:
             while not self._stop.is_set():
+                engine.clear_interrupt()  # before taking the commands: one queued after this interrupts again
                 self._apply_commands(block=not engine.has_unfinished_requests())
                 if not engine.has_unfinished_requests():
                     continue
@@ -130,9 +136,9 @@ class AsyncEngine:
                 now = time.time()
                 sched = engine.last_step
                 if sched is not None:
-                    for s in sched.scheduled:  # a sampled token counts as generation, the rest as prompt
+                    for s in sched.scheduled:  # a sampled token's position counts as generation, the rest as prompt
                         tokens_since[0] += s.num_new_tokens - 1 if s.samples else s.num_new_tokens
-                        tokens_since[1] += s.samples
+                    tokens_since[1] += sched.num_generated
                 self._deliver(outputs)
                 if self.on_step is not None:
                     self.on_step(outputs, now)

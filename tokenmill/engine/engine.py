@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Sequence
 
@@ -16,6 +17,7 @@ from tokenmill.engine.scheduler import ModelOutput, Scheduler
 from tokenmill.model.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner import ModelRunner, kv_bytes_per_block
+from tokenmill.sample.sampler import needs_processing
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -62,6 +64,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.last_step = None  # the latest SchedulerOutput, for stats and tests
+        self._interrupted = threading.Event()  # new work waits: no burst of decode steps now
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:
@@ -138,15 +141,53 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass over the mixed batch, sample, and report what changed."""
+        """Schedule, run one forward pass over the mixed batch, sample, and report what changed.
+
+        A batch of greedy decodes with nothing waiting may run up to config.num_scheduler_steps steps
+        back to back (a burst) in one call of the fused CPU decoder; each step's tokens are then taken
+        as a step of their own would take them, and each request reports once, with all its new tokens."""
         sched = self.scheduler.schedule()
-        model_out = self.runner.execute(sched) if not sched.is_empty else ModelOutput()
-        changed = self.scheduler.update(sched, model_out)
-        outputs, stopped = self.output_processor.process(changed)
-        for rid, stop in stopped:
-            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        steps = self._burst_steps(sched)
+        bursts = self.runner.execute_burst(sched, steps, self._interrupted.is_set) if steps > 1 else None
+        if bursts is None:
+            bursts = [self.runner.execute(sched) if not sched.is_empty else ModelOutput()]
+        latest: dict[str, RequestOutput] = {}
+        for result in bursts:
+            if not isinstance(result, ModelOutput):  # one burst step: a token per scheduled request
+                result = ModelOutput(sampled={s.request.request_id: t for s, t in zip(sched.scheduled, result)})
+            changed = self.scheduler.update(sched, result)
+            sched.num_generated += len(changed)
+            outputs, stopped = self.output_processor.process(changed)
+            for rid, stop in stopped:
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+            latest.update((out.request_id, out) for out in outputs)
         self.last_step = sched
-        return outputs
+        return list(latest.values())
+
+    def _burst_steps(self, sched) -> int:
+        """How many decode steps this step may run back to back: 1 unless every scheduled request decodes
+        plain greedily and nothing waits; never past a request's max_tokens or the context length, and
+        only as far as free KV blocks hold every request's tokens."""
+        steps = self.config.num_scheduler_steps
+        if steps <= 1 or sched.is_empty or self.scheduler.num_waiting or self._interrupted.is_set():
+            return 1
+        for s in sched.scheduled:
+            req = s.request
+            if s.num_new_tokens != 1 or not s.samples or needs_processing(req):
+                return 1
+            steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        if steps > 1 and all(self.kv_manager.allocate_slots(s.request, steps) for s in sched.scheduled):
+            return steps
+        return 1
+
+    def interrupt(self) -> None:
+        """New work is waiting (any thread may call this): a running burst of decode steps ends after its
+        current step, and none starts until clear_interrupt()."""
+        self._interrupted.set()
+        self.runner.interrupt()
+
+    def clear_interrupt(self) -> None:
+        self._interrupted.clear()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -178,6 +178,12 @@ class KVCacheManager:
             self.pool.cache(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the blocks the request's computed tokens have filled (a burst of decode steps fills
+        blocks that did not have their tokens yet when they were allocated)."""
+        if req.num_computed_tokens // self.block_size > req.num_cached_blocks:
+            self._cache_full_blocks(req, req.num_computed_tokens)
+
     def free(self, req: Request) -> None:
         """Release a finished, aborted or preempted request's blocks, tail first so prefixes outlive tails."""
         self.pool.release([self.pool.blocks[i] for i in reversed(req.block_ids)])

@@ -28,6 +28,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    num_generated: int = 0  # tokens the step appended (more than one per request in a burst)
 
     @property
     def is_empty(self) -> bool:
@@ -130,6 +131,7 @@ class Scheduler:
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(req)
             if req.request_id in model_out.prompt_logprobs:
                 req.prompt_logprobs.extend(model_out.prompt_logprobs[req.request_id])
             if not s.samples:

@@ -562,6 +562,48 @@ void rotate(uint16_t* v, const uint16_t* cos, const uint16_t* sin, int64_t D) {
   }
 }
 
+// ------------------------------------------------------------------------------------------ argmax
+
+// The index of a row's largest value (the first, on ties; the first NaN where the row has one), as
+// torch.argmax gives it: each of 16 lanes keeps its own best in order, then the lanes are compared.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t N) {
+  auto at = [&](int64_t i) -> float {
+    if constexpr (std::is_same_v<T, float>) return row[i];
+    else return from_bf16(reinterpret_cast<const uint16_t*>(row)[i]);
+  };
+  const __m512i none = _mm512_set1_epi32(-1), step = _mm512_set1_epi32(16);
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_i = none, idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= N; i += 16, idx = _mm512_add_epi32(idx, step)) {
+    const __m512 v = load16(row + i);
+    // Greater, or equal to a lane's -inf start that no value has taken yet (a row of -inf).
+    const __mmask16 take = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                           (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) & _mm512_cmpeq_epi32_mask(best_i, none));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_mov_ps(best, take, v);
+    best_i = _mm512_mask_mov_epi32(best_i, take, idx);
+  }
+  alignas(64) float lane_v[16];
+  alignas(64) int32_t lane_i[16];
+  _mm512_store_ps(lane_v, best);
+  _mm512_store_si512(lane_i, best_i);
+  float bv = -INFINITY;
+  int64_t bi = -1;
+  for (int l = 0; l < 16; ++l)
+    if (lane_i[l] >= 0 && (bi < 0 || lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < bi))) bv = lane_v[l], bi = lane_i[l];
+  for (; i < N; ++i) {
+    if (std::isnan(at(i))) nan = 1;
+    if (bi < 0 || at(i) > bv) bv = at(i), bi = i;
+  }
+  if (nan)
+    for (int64_t j = 0; j < N; ++j)
+      if (std::isnan(at(j))) return j;
+  return bi;
+}
+
 // ------------------------------------------------------------------------------------------- team
 
 // Waits until `n` threads have arrived. Spinning costs well under a microsecond where a parallel region
@@ -717,7 +759,51 @@ class FusedDecoder {
     return out;
   }
 
+  // Greedy decoding, up to `steps` steps in one call (slots [steps, B]: the cache slot of each step's new
+  // token). Each step runs forward and takes, for every request, the largest of its logits (hidden x
+  // lm_head^T [vocab, hidden] in bf16, as linear_bf16 and argmax_rows compute them for the sampler) as
+  // its next input. The call ends early after a step in which every request has produced one of its
+  // stop_ids, or once interrupt() has been called (from any thread; the step running completes).
+  // Returns the tokens [steps done, B].
+  torch::Tensor decode_greedy(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor lm_head,
+                              std::vector<std::vector<int64_t>> stop_ids) {
+    const int64_t B = input_ids.size(0), steps = slots.size(0);
+    TORCH_CHECK(slots.dim() == 2 && slots.size(1) == B && (int64_t)stop_ids.size() == B, "slots: [steps, batch]");
+    TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
+                "lm_head: bf16 [vocab, hidden]");
+    auto ids = input_ids.to(torch::kLong).clone();
+    auto pos = positions.to(torch::kLong).clone();
+    auto lens = seq_lens.to(torch::kLong).clone();
+    auto all_slots = slots.to(torch::kLong).contiguous();
+    auto w = lm_head.contiguous();
+    auto tokens = torch::empty({steps, B}, torch::kLong);
+    std::vector<bool> stopped(B, false);
+    int64_t done = 0;
+    while (done < steps) {
+      const auto logits = linear_bf16(forward(ids, pos, all_slots[done], block_tables, lens), w, c10::nullopt);
+      const bf16* rows = logits.data_ptr<bf16>();
+      const int64_t V = logits.size(1);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t t = argmax_row(rows + b * V, V);
+        tokens.data_ptr<int64_t>()[done * B + b] = ids.data_ptr<int64_t>()[b] = t;
+        ++pos.data_ptr<int64_t>()[b];
+        ++lens.data_ptr<int64_t>()[b];
+        stopped[b] = stopped[b] || std::find(stop_ids[b].begin(), stop_ids[b].end(), t) != stop_ids[b].end();
+      }
+      ++done;
+      if (interrupted_.load() || std::all_of(stopped.begin(), stopped.end(), [](bool x) { return x; })) break;
+    }
+    return tokens.slice(0, 0, done);
+  }
+
+  // Ends a running decode_greedy after its current step; clear_interrupt() before the next.
+  void interrupt() { interrupted_.store(true); }
+  void clear_interrupt() { interrupted_.store(false); }
+
  private:
+  std::atomic<bool> interrupted_{false};
+
   struct Step {
     torch::Tensor cos, sin, slot, bt, lens;
     int64_t B, hidden;
@@ -909,46 +995,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// The index of a row's largest value (the first, on ties; the first NaN where the row has one), as
-// torch.argmax gives it: each of 16 lanes keeps its own best in order, then the lanes are compared.
-template <typename T>
-int64_t argmax_row(const T* row, int64_t N) {
-  auto at = [&](int64_t i) -> float {
-    if constexpr (std::is_same_v<T, float>) return row[i];
-    else return from_bf16(reinterpret_cast<const uint16_t*>(row)[i]);
-  };
-  const __m512i none = _mm512_set1_epi32(-1), step = _mm512_set1_epi32(16);
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i best_i = none, idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __mmask16 nan = 0;
-  int64_t i = 0;
-  for (; i + 16 <= N; i += 16, idx = _mm512_add_epi32(idx, step)) {
-    const __m512 v = load16(row + i);
-    // Greater, or equal to a lane's -inf start that no value has taken yet (a row of -inf).
-    const __mmask16 take = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
-                           (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) & _mm512_cmpeq_epi32_mask(best_i, none));
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    best = _mm512_mask_mov_ps(best, take, v);
-    best_i = _mm512_mask_mov_epi32(best_i, take, idx);
-  }
-  alignas(64) float lane_v[16];
-  alignas(64) int32_t lane_i[16];
-  _mm512_store_ps(lane_v, best);
-  _mm512_store_si512(lane_i, best_i);
-  float bv = -INFINITY;
-  int64_t bi = -1;
-  for (int l = 0; l < 16; ++l)
-    if (lane_i[l] >= 0 && (bi < 0 || lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < bi))) bv = lane_v[l], bi = lane_i[l];
-  for (; i < N; ++i) {
-    if (std::isnan(at(i))) nan = 1;
-    if (bi < 0 || at(i) > bv) bv = at(i), bi = i;
-  }
-  if (nan)
-    for (int64_t j = 0; j < N; ++j)
-      if (std::isnan(at(j))) return j;
-  return bi;
-}
-
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "float32 or bfloat16 [rows, n] expected");
@@ -972,5 +1018,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor, torch::Tensor,
                     torch::Tensor, torch::Tensor>())
       .def("add_layer", &FusedDecoder::add_layer)
-      .def("forward", &FusedDecoder::forward, release());
+      .def("forward", &FusedDecoder::forward, release())
+      .def("decode_greedy", &FusedDecoder::decode_greedy, release())
+      .def("interrupt", &FusedDecoder::interrupt)
+      .def("clear_interrupt", &FusedDecoder::clear_interrupt);
 }

@@ -177,9 +177,12 @@ class LlamaForCausalLM(nn.Module):
                             k_cache, v_cache)
         return fused
 
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight [vocab, hidden] (the embedding's, where the two are tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        return linear(hidden, self.output_weight())
 
     # ------------------------------------------------------------------ weights
     _STACKED = {  # checkpoint name part -> (fused module name part, shard index)

@@ -73,7 +73,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
-def _needs_processing(r: Request) -> bool:
+def needs_processing(r: Request) -> bool:
+    """False for plain greedy choice: the largest logit as it is, nothing else asked of the logits."""
     sp = r.sampling_params
     return (not sp.greedy or sp.logprobs is not None or bool(sp.logit_bias) or sp.needs_penalties
             or r.num_output_tokens < sp.min_tokens)
@@ -87,7 +88,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
-        if not any(_needs_processing(r) for r in reqs):  # plain greedy: the largest logit, as it is
+        if not any(needs_processing(r) for r in reqs):  # plain greedy: the largest logit, as it is
             return cpu_kernels.argmax(logits).tolist(), [None] * len(reqs)
         logits = logits.float()
         raw_logprobs = None

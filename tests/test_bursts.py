@@ -1,0 +1,166 @@
+"""Bursts of greedy decode steps run back to back in the fused CPU decoder (num_scheduler_steps > 1):
+the same tokens, text, stops and KV-cache state as one step at a time, and transformers' greedy choices."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ARCHS, PROMPTS
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu as cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU decode kernels do not run here")
+
+MAX_NEW = 24
+
+
+def _count_bursts(llm) -> list[int]:
+    """Records the length of every burst the engine runs (the steps it returned)."""
+    runner = llm.engine.runner
+    lengths: list[int] = []
+    run = runner.execute_burst
+
+    def spy(*args):
+        out = run(*args)
+        if out is not None:
+            lengths.append(len(out))
+        return out
+
+    runner.execute_burst = spy
+    return lengths
+
+
+def _llm(folder, steps, **kw):
+    return LLM(folder, dtype="bfloat16", seed=0, kv_cache_memory=1 << 22, num_scheduler_steps=steps, **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, torch's GEMM
+def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_requests):
+    """Tokens from bursts are the ones single steps choose, and each is transformers' (float32) greedy
+    choice up to bf16 rounding, teacher-forced on our own tokens."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models[arch]
+    burst, single = _llm(folder, 8), _llm(folder, 1)
+    lengths = _count_bursts(burst)
+    tok = burst.get_tokenizer()
+    prompt_ids = [tok.encode(p) for p in PROMPTS + [p + " again" for p in PROMPTS[:3]]][:num_requests]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = burst.generate(prompt_ids, params, use_tqdm=False)
+    assert max(lengths) == 8 and sum(lengths) >= MAX_NEW - 8, lengths  # decode ran in bursts
+    expected = single.generate(prompt_ids, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gaps = []
+    for ids, out in zip(prompt_ids, outs):
+        gen = out.outputs[0].token_ids
+        assert len(gen) == MAX_NEW
+        with torch.no_grad():
+            lps = ref(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
+        for j, t in enumerate(gen[1:], start=1):
+            row = lps[len(ids) + j - 1]
+            gaps.append(float(row.max() - row[t]))
+    # As in the bf16 decode test: rounding costs these tiny models ~0.01 nats; a wrong token, 1 or more.
+    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
+
+    # The cache the bursts wrote serves prefix hits as the single steps' cache does: continuing each
+    # prompt + its output reads the decoded tokens' K and V from it.
+    again = [ids + out.outputs[0].token_ids[:20] for ids, out in zip(prompt_ids, outs)]
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    hits = burst.generate(again, short, use_tqdm=False)
+    assert all(h.num_cached_tokens > len(ids) for h, ids in zip(hits, prompt_ids))
+    expected = single.generate(again, short, use_tqdm=False)
+    assert [h.outputs[0].token_ids for h in hits] == [e.outputs[0].token_ids for e in expected]
+
+
+def test_bursts_stop_where_single_steps_stop(tiny_models):
+    """max_tokens, stop tokens, EOS and stop strings that fall inside a burst end each request exactly
+    where single steps end it; the steps a burst ran past a stop leave no blocks behind."""
+    folder = tiny_models["llama"]
+    single, burst = _llm(folder, 1), _llm(folder, 8)
+    lengths = _count_bursts(burst)
+    tok = single.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    free = single.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    gen = [o.outputs[0] for o in free]
+    params = [
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[gen[1].token_ids[11]], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop=[gen[2].text[len(gen[2].text) // 2:][:3]], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40).clone(_eos_token_ids=(gen[3].token_ids[9],)),
+    ]
+    want = single.generate(prompts, params, use_tqdm=False)
+    got = burst.generate(prompts, params, use_tqdm=False)
+    assert lengths, "decode should have run in bursts"
+    for w, g in zip(want, got):
+        a, b = w.outputs[0], g.outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason,
+                                                                         a.stop_reason)
+    assert [g.outputs[0].finish_reason for g in got] == ["length", "stop", "stop", "stop"]
+    assert len(got[0].outputs[0].token_ids) == 13
+    engine = burst.engine
+    assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_free == engine.num_blocks
+
+
+def test_bursts_only_for_plain_greedy_with_nothing_waiting(tiny_models):
+    """Sampling, logprobs and penalties take single steps; so does any step while requests wait."""
+    llm = _llm(tiny_models["llama"], 8, max_num_seqs=2)
+    lengths = _count_bursts(llm)
+    prompt = [list(range(10, 30))]
+    for params in (SamplingParams(temperature=0.8, max_tokens=12, seed=1),
+                   SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)):
+        assert len(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 12
+    assert lengths == []
+    # Three requests, two seats: while the third waits, the two running decode one step at a time.
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"w{i}", list(range(10 + i, 30)), SamplingParams(temperature=0, max_tokens=6 + 10 * i,
+                                                                              ignore_eos=True))
+    while engine.has_unfinished_requests():
+        waiting = engine.scheduler.num_waiting
+        before = len(lengths)
+        engine.step()
+        if waiting:
+            assert len(lengths) == before
+    assert lengths  # the last request, alone, decoded in bursts
+
+
+def test_interrupt_ends_a_burst_after_its_current_step(tiny_models):
+    """interrupt() from another thread (as the server does when a request arrives) ends a running burst
+    early; no burst starts until clear_interrupt(), and the request carries on to the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
+    prompt = list(range(10, 20))
+    llm = _llm(tiny_models["llama"], 400)
+    engine = llm.engine
+    lengths = _count_bursts(llm)
+    outputs = {}
+
+    def step():
+        outputs.update((o.request_id, o) for o in engine.step())
+
+    engine.add_request("long", prompt, params)
+    step()  # the prompt
+    worker = threading.Thread(target=step)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while engine.runner._burst is None and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    engine.interrupt()
+    worker.join(30)
+    assert not worker.is_alive()
+    assert len(lengths) == 1 and 1 <= lengths[0] < 400, lengths
+    step()  # still interrupted: a single step
+    assert len(lengths) == 1
+    engine.clear_interrupt()
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.kv_manager.pool.num_free == engine.num_blocks
+    expected = _llm(tiny_models["llama"], 1).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert outputs["long"].outputs[0].token_ids == expected and len(expected) == 450
