@@ -51,6 +51,12 @@ def weight_bytes(model) -> int:
     return total
 
 
+def kv_bytes_per_token(llm) -> int:
+    """Bytes of K and V one token of context holds (read once per decoded token)."""
+    cfg = llm.engine.model.config
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(llm.engine.dtype).bits // 8
+
+
 def matmul_params(model) -> int:
     """Parameters in matrix multiplications per token (the output layer included)."""
     n = 0
@@ -94,9 +100,7 @@ def run_roofline(llm, context: int = 128, prompt_len: int = 500, repeats: int = 
         bw = memory_bandwidth(repeats=5)
         return max(bw, memory_bandwidth(repeats=5, buffer=arena)) if arena is not None else bw
 
-    kv_per_token = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim * \
-        torch.finfo(engine.dtype).bits // 8
-    bytes_per_token = weight_bytes(model) + kv_per_token * (context + 64)  # mid-generation context
+    bytes_per_token = weight_bytes(model) + kv_bytes_per_token(llm) * (context + 64)  # mid-generation context
     # A shared machine's bandwidth drifts, at times by half for minutes. Each decode run is measured
     # against the larger of the bandwidths measured just before and just after it; the share is the
     # median over runs. The share against the best bandwidth seen in the whole run is reported too.
