@@ -30,7 +30,10 @@ def test_linear_dispatch_and_bias():
     b = torch.randn(16).bfloat16()
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert torch.allclose(cpu_kernels.linear(x, w, b).float(), ref, rtol=2 ** -6, atol=0.05)
-    big = torch.randn(cpu_kernels.MAX_ROWS + 1, 64).bfloat16()  # falls back to torch, same answer
+    # More rows than the kernel takes, or K not a multiple of 32: torch's GEMM, the same answer.
+    big = torch.randn(kernel.max_gemv_rows + 1, 64).bfloat16()
+    for xs, ws in ((big, w), (x[:, :48], w[:, :48])):
+        assert torch.allclose(kernel.gemv_bf16(xs, ws).float(), xs.float() @ ws.float().t(), rtol=2 ** -6, atol=0.05)
     assert torch.allclose(cpu_kernels.linear(big, w).float(), big.float() @ w.float().t(), rtol=2 ** -6, atol=0.05)
 
 

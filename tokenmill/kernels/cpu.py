@@ -24,8 +24,6 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 
-MAX_ROWS = 8  # larger batches are compute-heavy enough for torch's GEMM
-
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
 
 _module = None
@@ -68,9 +66,9 @@ def load() -> object | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the kernel when the batch is small bf16 on the CPU."""
+    """F.linear, through the kernel when the batch is small (max_gemv_rows rows at most) bf16 on the CPU."""
     if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
-            and x.shape[0] <= MAX_ROWS and x.shape[1] % 32 == 0 and _module is not None
+            and _module is not None and x.shape[0] <= _module.max_gemv_rows and x.shape[1] % 32 == 0
             and (bias is None or bias.dtype == torch.bfloat16)):
         return _module.gemv_bf16(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

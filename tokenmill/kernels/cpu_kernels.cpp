@@ -962,11 +962,11 @@ class FusedDecoder {
 
 // ------------------------------------------------------------------------------------- entry points
 
+// x [M, K] @ w^T (+ bias) in bf16: the GEMV kernel for up to kMaxGemvRows rows (module attribute
+// max_gemv_rows) with K a multiple of 32, torch's GEMM for anything else.
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bf16 tensors expected");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes do not match");
-  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
-  TORCH_CHECK(x.size(0) <= kMaxGemvRows, "at most 8 rows");
   return linear_bf16(x.contiguous(), w.contiguous(), opt(bias));
 }
 
@@ -1012,6 +1012,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("gemv_bf16", &gemv_bf16, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), release());
+  m.attr("max_gemv_rows") = py::int_(kMaxGemvRows);
   m.def("paged_decode_attention", &paged_decode_attention, release());
   m.def("argmax_rows", &argmax_rows, release());
   py::class_<FusedDecoder>(m, "FusedDecoder")
