@@ -42,24 +42,24 @@ class ModelRunner:
         self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size, seed)
         self._burst = None  # the fused decoder while it runs a burst of decode steps
-        self._bursts_run = True  # False once the model has shown it has no fused decoder here
+        # Bursts need the model's fused CPU decoder; cleared the first time the model has none to give.
+        self.supports_bursts = hasattr(model, "_fused_decoder") and device.type == "cpu" and dtype == torch.bfloat16
 
     @torch.inference_mode()
     def execute_burst(self, sched: SchedulerOutput, steps: int,
-                      interrupted: Callable[[], bool]) -> list[list[int]] | None:
+                      interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
         """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
         fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
-        step's tokens in the order of sched.scheduled, or None (nothing run) where the fused decoder does
-        not run this batch or interrupted() already holds. The burst ends early when every request has
-        produced a stop token, or after the step running when interrupt() is called."""
-        pick = getattr(self.model, "_fused_decoder", None)
-        if pick is None or not self._bursts_run:
+        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch or
+        interrupted() already holds. The burst ends early when every request has produced a stop token,
+        or after the step running when interrupt() is called."""
+        if not self.supports_bursts:
             return None
         items = sched.scheduled
         input_ids, positions, meta, _ = self._prepare(items)
-        fused = pick(self.kv_caches, meta)
-        if fused is None:  # not bf16, not this CPU, or a shape the kernels do not take
-            self._bursts_run = False
+        fused = self.model._fused_decoder(self.kv_caches, meta)
+        if fused is None:  # no kernels on this CPU, or a shape they do not take
+            self.supports_bursts = False
             return None
         bs = self.block_size
 
@@ -81,7 +81,8 @@ class ModelRunner:
                                          self.model.output_weight().detach(), stop_ids)
         finally:
             self._burst = None
-        return tokens.tolist()
+        ids = [s.request.request_id for s in items]
+        return [ModelOutput(sampled=dict(zip(ids, row))) for row in tokens.tolist()]
 
     def interrupt(self) -> None:
         """End a running burst after its current step (any thread)."""

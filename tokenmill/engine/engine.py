@@ -148,13 +148,11 @@ class LLMEngine:
         as a step of their own would take them, and each request reports once, with all its new tokens."""
         sched = self.scheduler.schedule()
         steps = self._burst_steps(sched)
-        bursts = self.runner.execute_burst(sched, steps, self._interrupted.is_set) if steps > 1 else None
-        if bursts is None:
-            bursts = [self.runner.execute(sched) if not sched.is_empty else ModelOutput()]
+        results = self.runner.execute_burst(sched, steps, self._interrupted.is_set) if steps > 1 else None
+        if results is None:
+            results = [self.runner.execute(sched) if not sched.is_empty else ModelOutput()]
         latest: dict[str, RequestOutput] = {}
-        for result in bursts:
-            if not isinstance(result, ModelOutput):  # one burst step: a token per scheduled request
-                result = ModelOutput(sampled={s.request.request_id: t for s, t in zip(sched.scheduled, result)})
+        for result in results:
             changed = self.scheduler.update(sched, result)
             sched.num_generated += len(changed)
             outputs, stopped = self.output_processor.process(changed)
@@ -169,7 +167,8 @@ class LLMEngine:
         plain greedily and nothing waits; never past a request's max_tokens or the context length, and
         only as far as free KV blocks hold every request's tokens."""
         steps = self.config.num_scheduler_steps
-        if steps <= 1 or sched.is_empty or self.scheduler.num_waiting or self._interrupted.is_set():
+        if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
+                or self._interrupted.is_set()):
             return 1
         for s in sched.scheduled:
             req = s.request
