@@ -82,3 +82,39 @@ def test_roofline_counts_the_bytes_each_token_reads(tiny_models, arch):
     assert r["decode_achieved_GBps"] == pytest.approx(r["decode_tokens_per_s"] * r["decode_bytes_per_token_MB"] / 1e3)
     assert r["decode_pct_of_best_bandwidth"] == pytest.approx(
         100 * r["decode_achieved_GBps"] / r["memory_bandwidth_GBps"])
+
+
+def test_compare_runs_each_engine_on_the_workload(tiny_models, tmp_path):
+    """bench compare: transformers' static batches produce every requested token (left-padded prompts give
+    the same greedy tokens as each prompt alone), and the command writes a figure per engine and workload."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.conftest import hf_greedy
+    from tokenmill.bench.compare import TransformersRunner
+
+    folder = tiny_models["llama"]
+    reqs = random_requests(5, (3, 12), (4, 4), 400, seed=8)
+    hf = TransformersRunner(folder, torch.float32, batch_size=3)
+    produced = []
+    real_generate = hf.model.generate
+    hf.model.generate = lambda **kw: produced.append(real_generate(**kw)) or produced[-1]
+    assert hf.generate(reqs) == 20
+    alone, _ = hf_greedy(folder, [r.prompt_ids for r in reqs], 4)
+    by_len = sorted(reqs, key=lambda r: len(r.prompt_ids))
+    batched = [row[-4:].tolist() for out in produced for row in out]
+    assert batched == [alone[reqs.index(r)] for r in by_len]
+
+    out = tmp_path / "compare.json"
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "compare", folder, "--dtype", "float32",
+                           "--workloads", "decode,prefill,throughput", "--repeats", "1", "--decode-tokens", "4",
+                           "--prefill-len", "16", "--num-prompts", "6", "--input-len", "4-12", "--output-len", "2-6",
+                           "--hf-batch-size", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"decode", "prefill", "throughput"}
+    assert all(set(figures) == {"tokenmill", "transformers"} and min(figures.values()) > 0
+               for figures in results.values())

@@ -140,7 +140,7 @@ def _compare(args, engine_kwargs) -> int:
     args.input_range, args.output_range = parse_range(args.input_len), parse_range(args.output_len)
     llm = _llm(args, engine_kwargs)
     path, dtype, vocab = llm.engine.loaded.path, llm.engine.dtype, llm.engine.vocab_size
-    runners = [compare.TokenmillRunner(llm), compare.TransformersRunner(path, dtype)]
+    runners = [compare.TokenmillRunner(llm), compare.TransformersRunner(path, dtype, device=llm.engine.device)]
     if not args.no_llama_cpp and path.endswith(".gguf") and compare.llama_cpp_available():
         import torch
 
@@ -149,7 +149,7 @@ def _compare(args, engine_kwargs) -> int:
     for workload in args.workloads.split(","):
         if workload == "throughput":
             hf = runners[1]
-            hf.batch_size = args.hf_batch_size or compare.best_static_batch(path, dtype, vocab, args)
+            hf.batch_size = args.hf_batch_size or compare.best_static_batch(hf, vocab, args)
             print(f"transformers static batch size: {hf.batch_size}")
             subset = [r for r in runners if r.name != "llama.cpp"]  # one request at a time: not comparable here
             figures = compare.measure(subset, workload, vocab, args.repeats, args)

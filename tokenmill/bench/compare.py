@@ -36,14 +36,16 @@ class TransformersRunner:
 
     name = "transformers"
 
-    def __init__(self, model_path: str, dtype: torch.dtype, batch_size: int = 1) -> None:
+    def __init__(self, model_path: str, dtype: torch.dtype, batch_size: int = 1,
+                 device: torch.device | str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         kwargs = {"dtype": dtype}
         if model_path.endswith(".gguf"):
             kwargs["gguf_file"] = os.path.basename(model_path)
             model_path = os.path.dirname(model_path) or "."
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
         self.batch_size = batch_size
 
     @torch.inference_mode()
@@ -59,8 +61,10 @@ class TransformersRunner:
                 ids[j, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
                 mask[j, width - len(r.prompt_ids):] = 1
             new = max(r.output_len for r in batch)
-            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=0)
+            self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             produced += sum(r.output_len for r in batch)  # only what each request asked for counts
         return produced
 
@@ -128,10 +132,13 @@ def measure(runners: list, workload: str, vocab: int, repeats: int, args) -> dic
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def best_static_batch(model_path: str, dtype, vocab: int, args, sizes=(16, 32, 64)) -> int:
-    """transformers' best batch size for the throughput workload (a short sweep on a slice of it)."""
-    runner = TransformersRunner(model_path, dtype)
-    reqs = random_requests(min(args.num_prompts, 64), args.input_range, args.output_range, vocab, seed=999)
+def best_static_batch(runner: TransformersRunner, vocab: int, args, sizes: tuple[int, ...] | None = None) -> int:
+    """transformers' best batch size for the throughput workload (a short sweep on a slice of it); a GPU
+    is tried with larger batches."""
+    if sizes is None:
+        sizes = (32, 64, 128, 256) if runner.device.type == "cuda" else (16, 32, 64)
+    n = min(args.num_prompts, max(64, max(sizes)))
+    reqs = random_requests(n, args.input_range, args.output_range, vocab, seed=999)
     best, best_rate = sizes[0], 0.0
     for b in sizes:
         runner.batch_size = b

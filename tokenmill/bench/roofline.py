@@ -14,30 +14,36 @@ import torch
 from tokenmill.sampling_params import SamplingParams
 
 
-def _best(fn, repeats: int) -> float:
+def _best(fn, repeats: int, device: torch.device) -> float:
+    """Best wall time of fn over repeats after one warm-up; GPU work is waited for inside each timing."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
+    sync()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return min(times)
 
 
-def memory_bandwidth(repeats: int = 7, size_bytes: int = 1 << 30, buffer: torch.Tensor | None = None) -> float:
-    """Read bandwidth in bytes/s: best time to reduce a buffer far larger than the caches (a new one of
-    size_bytes, or the given uint8 buffer read as float32)."""
+def memory_bandwidth(repeats: int = 7, size_bytes: int = 1 << 30, buffer: torch.Tensor | None = None,
+                     device: torch.device | str = "cpu") -> float:
+    """Read bandwidth in bytes/s of the device's memory: best time to reduce a buffer far larger than the
+    caches (a new one of size_bytes on device, or the given uint8 buffer, wherever it lives, read as float32)."""
     if buffer is None:
-        x = torch.ones(size_bytes // 4, dtype=torch.float32)
+        x = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
     else:
         x = buffer[:buffer.numel() // 4 * 4].view(torch.float32)
-    return x.numel() * 4 / _best(lambda: x.sum(), repeats)
+    return x.numel() * 4 / _best(lambda: x.sum(), repeats, x.device)
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best(lambda: a @ b, repeats)
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 7, device: torch.device | str = "cpu") -> float:
+    """Matrix-multiply FLOP/s of the device at dtype: best time of an n x n x n product."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _best(lambda: a @ b, repeats, a.device)
 
 
 def weight_bytes(model) -> int:
@@ -97,7 +103,7 @@ def run_roofline(llm, context: int = 128, prompt_len: int = 500, repeats: int = 
     def bandwidth() -> float:
         # The faster of a fresh 1 GiB buffer and the model's own weight buffer (where the weights live
         # in one): the physical memory behind each can differ in speed.
-        bw = memory_bandwidth(repeats=5)
+        bw = memory_bandwidth(repeats=5, device=engine.device)
         return max(bw, memory_bandwidth(repeats=5, buffer=arena)) if arena is not None else bw
 
     bytes_per_token = weight_bytes(model) + kv_bytes_per_token(llm) * (context + 64)  # mid-generation context
@@ -111,13 +117,16 @@ def run_roofline(llm, context: int = 128, prompt_len: int = 500, repeats: int = 
         bws.append(bandwidth())
         shares.append(rates[-1] * bytes_per_token / max(bws[-2], bws[-1]))
     decode = statistics.median(rates)
-    flops = matmul_flops(engine.dtype)
+    # A GPU's matmul rate shows only on products large enough to fill it.
+    n = 8192 if engine.device.type == "cuda" else 2048
+    flops = matmul_flops(engine.dtype, n, device=engine.device)
     prefill = prefill_tokens_per_s(llm, prompt_len)
-    flops = max(flops, matmul_flops(engine.dtype))
+    flops = max(flops, matmul_flops(engine.dtype, n, device=engine.device))
     bw = max(bws)
     flops_per_token = 2 * matmul_params(model)
     return {
-        "dtype": str(engine.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+        "threads": torch.get_num_threads(),
         "memory_bandwidth_GBps": bw / 1e9, "memory_bandwidth_range_GBps": [min(bws) / 1e9, bw / 1e9],
         "matmul_GFLOPs": flops / 1e9,
         "decode_tokens_per_s": decode, "decode_bytes_per_token_MB": bytes_per_token / 1e6,
@@ -135,8 +144,9 @@ def run_roofline(llm, context: int = 128, prompt_len: int = 500, repeats: int = 
 
 def print_roofline(r: dict) -> None:
     low, high = r["memory_bandwidth_range_GBps"]
+    where = f"{r['threads']} threads" if r["device"] == "cpu" else r["device"]
     print(f"machine: memory bandwidth {high:.1f} GB/s (lowest measured in this run {low:.1f}), {r['dtype']} "
-          f"matmul {r['matmul_GFLOPs']:.0f} GFLOP/s ({r['threads']} threads)")
+          f"matmul {r['matmul_GFLOPs']:.0f} GFLOP/s ({where})")
     runs = ", ".join(f"{x:.0f}%" for x in r["decode_pct_of_roofline_runs"])
     print(f"decode (batch 1): {r['decode_tokens_per_s']:.1f} tok/s, {r['decode_bytes_per_token_MB']:.1f} MB read per "
           f"token -> {r['decode_achieved_GBps']:.1f} GB/s = {r['decode_pct_of_roofline']:.0f}% of the bandwidth "
