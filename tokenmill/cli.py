@@ -23,13 +23,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="greedy decode steps run back to back per engine step on the CPU kernels (default 8; 1: "
                         "one at a time, outputs token by token)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching, num_scheduler_steps=args.num_scheduler_steps)
+                enable_prefix_caching=args.enable_prefix_caching, num_scheduler_steps=args.num_scheduler_steps,
+                enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

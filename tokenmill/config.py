@@ -85,6 +85,9 @@ class EngineConfig:
     # Greedy decode steps one engine step may run back to back where the CPU decode kernels run (1: one
     # step at a time). Fewer returns to Python per token; outputs then arrive a few tokens at a time.
     num_scheduler_steps: int = 8
+    # On a GPU, decode-only steps replay CUDA graphs of the forward pass (one launch instead of hundreds);
+    # True keeps every step eager.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.decode_graphs import DecodeGraphs
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.model.arena import huge_page_buffer
@@ -31,15 +32,19 @@ def _cache_allocator(shape: tuple, dtype: torch.dtype, device: torch.device):
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 seed: int) -> None:
+                 seed: int, decode_graphs: bool = False, max_model_len: int | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         cfg = model.config
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
+        # One block more than the pool hands out: the scratch block that padded decode rows write to.
+        shape = ((num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
         new_cache = _cache_allocator(shape, dtype, device)
         self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_layers)]
+        self.scratch_slot = num_blocks * block_size
+        self.max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)
+        self.decode_graphs = self.new_decode_graphs(capture=True) if decode_graphs else None
         self.sampler = Sampler(cfg.vocab_size, seed)
         self._burst = None  # the fused decoder while it runs a burst of decode steps
         # Bursts need the model's fused CPU decoder; cleared the first time the model has none to give.
@@ -90,12 +95,22 @@ class ModelRunner:
         if fused is not None:
             fused.interrupt()
 
+    def new_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Decode steps replayed from CUDA graphs (capture=False: the same padded buffers, run eagerly)."""
+        return DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks, self.scratch_slot,
+                            self.device, capture)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         # Single-token requests first: the attention backend batches them in one call.
         items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, starts = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = None
+        if self.decode_graphs is not None and meta.num_decodes == meta.num_reqs:
+            hidden = self.decode_graphs.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                                meta.decode_seq_lens)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         out = ModelOutput()
         sample_rows, sample_reqs = [], []

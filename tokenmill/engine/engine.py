@@ -60,7 +60,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype, config.seed)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype, config.seed,
+                                  decode_graphs=self.device.type == "cuda" and not config.enforce_eager,
+                                  max_model_len=self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.last_step = None  # the latest SchedulerOutput, for stats and tests
