@@ -80,7 +80,7 @@ def _dense_reference(q, k_cache, v_cache, bt, lens, bs, window, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("batch", [1, 5])  # one request splits its heads across cores; five do not
+@pytest.mark.parametrize("batch", [1, 5])  # one short request splits its KV heads across cores; five do not
 def test_paged_decode_attention_kernel_and_fallback(dtype, window, batch, monkeypatch):
     from tokenmill.attention.backend import AttentionMetadata
     from tokenmill.attention.cpu import TorchSDPABackend
@@ -106,8 +106,8 @@ def test_paged_decode_attention_kernel_and_fallback(dtype, window, batch, monkey
 @pytest.mark.parametrize("lens", [[300], [1, 300], [5, 400], [200, 65, 130]])
 @pytest.mark.parametrize("kvh", [1, 2])
 def test_paged_decode_attention_splits_long_contexts(dtype, window, lens, kvh):
-    """Few requests with long contexts: each head's tokens are split into ranges (some empty, for the
-    one-token request) that threads compute apart and the kernel merges."""
+    """Few requests with long contexts: each request's tokens are split into ranges, all KV heads in each
+    (some ranges empty, for the one-token request), that threads compute apart and the kernel merges."""
     d, bs = 64, 16
     q, k_cache, v_cache, bt, lens_t = _random_requests(lens, 6, kvh, d, bs, dtype, seed=len(lens))
     scale = d ** -0.5

@@ -38,6 +38,19 @@ def _cpu_supports() -> bool:
         return False
 
 
+def build(source: str) -> object:
+    """Compiles a kernel source file (this package's, or another version of it to compare against)."""
+    from torch.utils.cpp_extension import load as compile_extension
+
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    # The name carries the source's digest: a changed source never meets a stale build.
+    return compile_extension(
+        name=f"tokenmill_cpu_kernels_{digest}", sources=[source],
+        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+        extra_ldflags=["-fopenmp"], verbose=False)
+
+
 def load() -> object | None:
     """The compiled kernel module, or None where it cannot be used (reason logged once)."""
     global _module, _tried
@@ -50,15 +63,7 @@ def load() -> object | None:
         logger.info("CPU lacks AVX-512 BF16: decode uses torch's own kernels")
         return None
     try:
-        from torch.utils.cpp_extension import load as build
-
-        with open(_SOURCE, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:12]
-        # The name carries the source's digest: a changed source never meets a stale build.
-        _module = build(
-            name=f"tokenmill_cpu_kernels_{digest}", sources=[_SOURCE],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
-            extra_ldflags=["-fopenmp"], verbose=False)
+        _module = build(_SOURCE)
     except Exception as e:  # no compiler, no headers: the torch path still works
         logger.warning("could not build the CPU decode kernels (%s); using torch's own", str(e).splitlines()[0])
         _module = None

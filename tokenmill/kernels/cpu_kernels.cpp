@@ -406,9 +406,13 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
 }
 
 // out[b, h, :] = softmax(q[b, h] . K[t] * scale) V over each request's tokens (the last `window` ones
-// when window > 0). Work is split into parts of (request, KV heads, token range): with many requests one
-// part per request; with few, per KV head, and each head's tokens split further until every thread has
-// two parts or the ranges get short. Parts are then merged per query head: with M the largest m,
+// when window > 0). Work is split into parts of (request, KV heads, token range). A part takes all of a
+// request's KV heads over a range of its tokens: a token's K (and V) rows of every head are adjacent in
+// its slot, so a part reads each block front to back, a stream the hardware prefetches (parts of one
+// head each read every third row piece, and mostly wait for memory). Each request's tokens are split
+// into as many ranges as it takes for the parts to come out even over the threads, while ranges stay
+// kMinChunk tokens or longer; where that still leaves fewer parts than threads (one short request),
+// parts go per KV head instead. Parts are then merged per query head: with M the largest m,
 // out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. The plan depends only on the context lengths,
 // so a decode step makes it once for all its layers.
 struct AttentionPlan {
@@ -422,14 +426,19 @@ struct AttentionPlan {
                 int64_t D_, int64_t nb_, int64_t bs_, float scale_, int64_t window_, int64_t threads)
       : B(B_), H(H_), KVH(KVH_), D(D_), G(H_ / KVH_), nb(nb_), bs(bs_), window(window_), scale(scale_),
         bt(block_tables), lens(seq_lens) {
-    const bool per_head = B < 2 * threads;
-    head_groups = per_head ? KVH : 1;
-    heads_per_group = per_head ? 1 : KVH;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b]);
-    constexpr int64_t kMinChunk = 64;  // tokens: shorter ranges cost more in merging than they save
-    if (per_head)
-      while (B * KVH * chunks < 2 * threads && longest / (chunks + 1) >= kMinChunk) ++chunks;
+    constexpr int64_t kMinChunk = 32;  // tokens: shorter ranges cost more in merging than they save
+    // A part per thread for one request (each thread's tokens one range: fewer, longer parts run faster);
+    // a few requests each split in two or more, so that unequal lengths even out; among the counts
+    // possible, the largest that divides evenly over the threads.
+    const int64_t most = B >= 2 * threads ? 1 : std::max<int64_t>(2, threads / B);
+    for (int64_t c = 2; threads > 1 && c <= most && longest / c >= kMinChunk; ++c)
+      if (B * c % threads == 0 || B * chunks % threads != 0) chunks = c;
+    const bool per_head = B * chunks < threads;
+    if (per_head) chunks = 1;
+    head_groups = per_head ? KVH : 1;
+    heads_per_group = per_head ? 1 : KVH;
     parts = B * head_groups * chunks;
     per_part = heads_per_group * G;
     m.resize(parts * per_part);
