@@ -39,8 +39,8 @@ class _Entry:
 
 
 class DecodeGraphs:
-    """capture=False runs the same padded forward eagerly over the same buffers (used where no GPU is
-    present to check the padding, and as the path for shapes while a graph is being recorded)."""
+    """capture=False runs the same padded forward eagerly over the same buffers (where no GPU is present,
+    to check the padding)."""
 
     def __init__(self, model, kv_caches: list, block_size: int, max_blocks: int, scratch_slot: int,
                  device: torch.device, capture: bool = True) -> None:

@@ -66,17 +66,9 @@ class ModelRunner:
         if fused is None:  # no kernels on this CPU, or a shape they do not take
             self.supports_bursts = False
             return None
-        bs = self.block_size
-
-        def slot(req: Request, position: int) -> int:
-            return req.block_ids[position // bs] * bs + position % bs
-
-        def stops(sp) -> list[int]:
-            return list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
-
-        slots = torch.tensor([[slot(s.request, s.request.num_computed_tokens + j) for s in items] for j in range(steps)],
-                             dtype=torch.long)
-        stop_ids = [stops(s.request.sampling_params) for s in items]
+        slots = torch.tensor([[self._slot(s.request, s.request.num_computed_tokens + j) for s in items]
+                              for j in range(steps)], dtype=torch.long)
+        stop_ids = [s.request.sampling_params.ending_token_ids for s in items]
         fused.clear_interrupt()
         self._burst = fused  # from here on interrupt() reaches it; before, interrupted() tells
         try:
@@ -129,6 +121,11 @@ class ModelRunner:
                     out.logprobs[req.request_id] = lp
         return out
 
+    def _slot(self, req: Request, position: int) -> int:
+        """The flat cache slot of a request's token at position."""
+        bs = self.block_size
+        return req.block_ids[position // bs] * bs + position % bs
+
     def _prepare(self, items: list[ScheduledRequest]):
         bs = self.block_size
         ids: list[int] = []
@@ -142,9 +139,7 @@ class ModelRunner:
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             starts.append(len(ids))
             ids.extend(req.token_ids(start, end))
-            blocks = req.block_ids
-            for p in range(start, end):
-                slots.append(blocks[p // bs] * bs + p % bs)
+            slots.extend(self._slot(req, p) for p in range(start, end))
             pos.extend(range(start, end))
             seq_lens.append(end)
             query_start.append(len(ids))

@@ -105,6 +105,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def ending_token_ids(self) -> list[int]:
+        """Tokens that end the request once min_tokens are out: stop_token_ids, and EOS unless ignore_eos."""
+        return list(self.stop_token_ids) + ([] if self.ignore_eos else list(self._eos_token_ids))
+
+    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

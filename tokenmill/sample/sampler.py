@@ -44,7 +44,7 @@ def apply_bias_and_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None
             ids = torch.tensor(list(sp.logit_bias.keys()), device=logits.device)
             logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), device=logits.device)
         if r.num_output_tokens < sp.min_tokens:
-            banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
+            banned = sp.ending_token_ids
             if banned:
                 logits[i, torch.tensor(banned, device=logits.device)] = _NEG_INF
 
