@@ -164,3 +164,28 @@ def test_interrupt_ends_a_burst_after_its_current_step(tiny_models):
     assert engine.kv_manager.pool.num_free == engine.num_blocks
     expected = _llm(tiny_models["llama"], 1).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert outputs["long"].outputs[0].token_ids == expected and len(expected) == 450
+
+
+def test_bursts_pick_the_whole_rows_argmax(tiny_models):
+    """Each thread of a burst takes the largest logit of its share of the output rows; combined, the
+    choice is torch.argmax's over the whole row: the first index where the largest value repeats in
+    every share, and the first NaN where the row has NaNs."""
+    folder = tiny_models["llama"]
+    burst, single = _llm(folder, 8), _llm(folder, 1)
+    lengths = _count_bursts(burst)
+    weight = burst.engine.model.output_weight().detach()
+    vocab = weight.shape[0]
+    repeating = weight[torch.arange(vocab) % 16].clone()  # rows repeat every 16: the largest value repeats
+    one_nan, two_nans = weight.clone(), weight.clone()
+    one_nan[vocab - 3] = float("nan")  # in the last thread's share
+    two_nans[vocab - 3] = two_nans[5] = float("nan")
+    prompt = [list(range(10, 30))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for head, expect in ((repeating, lambda t: t < 16), (one_nan, lambda t: t == vocab - 3),
+                         (two_nans, lambda t: t == 5)):
+        for llm in (burst, single):
+            llm.engine.model.output_weight = lambda head=head: head
+        got = burst.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        want = single.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want and all(expect(t) for t in got), (got, want)
+    assert lengths, "decode should have run in bursts"

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -86,7 +87,8 @@ template <int Locality>  // __builtin_prefetch's: 3 into L1 (T0), 2 into L2 (T1)
 class Lookahead {
  public:
   Lookahead() = default;
-  Lookahead(const Segment* segs, int64_t count) : segs_(segs), count_(count) {
+  // wrap: past the last segment, the walk goes on from the first.
+  Lookahead(const Segment* segs, int64_t count, bool wrap = false) : segs_(segs), count_(count), wrap_(wrap) {
     if (count > 0) p_ = segs[0].begin, end_ = segs[0].end;
   }
   // Moves `bytes` ahead of the reads, prefetching those bytes or leaving them to the hardware.
@@ -108,7 +110,10 @@ class Lookahead {
   }
   inline bool step_to_next() {
     if (p_ < end_) return true;
-    if (i_ + 1 >= count_) return false;
+    if (i_ + 1 >= count_) {
+      if (!wrap_ || count_ == 0) return false;
+      i_ = -1;
+    }
     ++i_;
     p_ = segs_[i_].begin;
     end_ = segs_[i_].end;
@@ -116,6 +121,7 @@ class Lookahead {
   }
   const Segment* segs_ = nullptr;
   int64_t count_ = 0, i_ = 0;
+  bool wrap_ = false;
   const char* p_ = nullptr;
   const char* end_ = nullptr;
 };
@@ -736,35 +742,33 @@ class FusedDecoder {
                         torch::Tensor block_tables, torch::Tensor seq_lens) {
     auto ids = input_ids.to(torch::kLong).contiguous();
     auto pos = positions.to(torch::kLong).contiguous();
-    Step s;
-    s.slot = slots.to(torch::kLong).contiguous();
-    s.bt = block_tables.to(torch::kLong).contiguous();
-    s.lens = seq_lens.to(torch::kLong).contiguous();
-    s.B = ids.size(0);
-    s.hidden = embed_.size(1);
-    TORCH_CHECK(pos.size(0) == s.B && s.slot.size(0) == s.B && s.bt.size(0) == s.B && s.lens.size(0) == s.B,
-                "batch mismatch");
+    auto slot = slots.to(torch::kLong).contiguous();
+    auto bt = block_tables.to(torch::kLong).contiguous();
+    auto lens = seq_lens.to(torch::kLong).contiguous();
+    const int64_t B = ids.size(0), hidden = embed_.size(1);
+    TORCH_CHECK(pos.size(0) == B && slot.size(0) == B && bt.size(0) == B && lens.size(0) == B, "batch mismatch");
     const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
-    auto x = torch::empty({s.B, s.hidden}, opts);  // the residual stream, starting from the embeddings
-    s.cos = torch::empty({s.B, D_}, opts);
-    s.sin = torch::empty({s.B, D_}, opts);
-    const float* cos_table = cos_.data_ptr<float>();
-    const float* sin_table = sin_.data_ptr<float>();
-    for (int64_t b = 0; b < s.B; ++b) {
-      const int64_t id = ids.data_ptr<int64_t>()[b], p = pos.data_ptr<int64_t>()[b];
-      TORCH_CHECK(id >= 0 && id < embed_.size(0), "token id out of range");
-      TORCH_CHECK(p >= 0 && p < cos_.size(0), "position beyond the rotary table");
-      std::memcpy(bits_mut(x) + b * s.hidden, bits(embed_) + id * s.hidden, s.hidden * 2);
-      for (int64_t d = 0; d < D_; ++d) {
-        bits_mut(s.cos)[b * D_ + d] = to_bf16(cos_table[p * D_ + d]);
-        bits_mut(s.sin)[b * D_ + d] = to_bf16(sin_table[p * D_ + d]);
-      }
-    }
+    auto x = torch::empty({B, hidden}, opts);  // the residual stream, starting from the embeddings
+    auto cos = torch::empty({B, D_}, opts), sin = torch::empty({B, D_}, opts);
+    Step s{B, hidden, slot.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), bt.size(1), lens.data_ptr<int64_t>(),
+           bits_mut(cos), bits_mut(sin)};
+    begin_step(s, ids.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), bits_mut(x));
     auto out = torch::empty_like(x);
-    if (s.B <= kMaxGemvRows && s.hidden % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0)
-      forward_team(s, bits_mut(x), bits_mut(out));
-    else
+    if (runs_in_team(B)) {
+      const int threads = (int)team_size();
+      plan_streams(threads, hidden);
+      TeamBuffers buf(*this, B, threads);
+      AttentionPlan plan(s.bt, s.lens, B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+      run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
+        Walks walks(streams_[n][w], B, false);
+        ThreadState ts(D_);
+        team_layers(s, plan, buf, bits_mut(x), w, n, barrier, walks, ts);
+        for (int64_t b = w; b < B; b += n)
+          rms_norm_rows(bits(x) + b * hidden, bits(final_norm_), bits_mut(out) + b * hidden, 1, hidden, eps_);
+      });
+    } else {
       forward_batched(s, x, out);
+    }
     return out;
   }
 
@@ -781,29 +785,25 @@ class FusedDecoder {
     TORCH_CHECK(slots.dim() == 2 && slots.size(1) == B && (int64_t)stop_ids.size() == B, "slots: [steps, batch]");
     TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
                 "lm_head: bf16 [vocab, hidden]");
-    auto ids = input_ids.to(torch::kLong).clone();
-    auto pos = positions.to(torch::kLong).clone();
-    auto lens = seq_lens.to(torch::kLong).clone();
-    auto all_slots = slots.to(torch::kLong).contiguous();
-    auto w = lm_head.contiguous();
-    auto tokens = torch::empty({steps, B}, torch::kLong);
-    std::vector<bool> stopped(B, false);
+    Burst burst{input_ids.to(torch::kLong).clone(), positions.to(torch::kLong).clone(),
+                seq_lens.to(torch::kLong).clone(), slots.to(torch::kLong).contiguous(), lm_head.contiguous(),
+                torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false)};
+    TORCH_CHECK(burst.ids.size(0) == B && burst.pos.size(0) == B && burst.lens.size(0) == B &&
+                block_tables.size(0) == B, "batch mismatch");
     int64_t done = 0;
-    while (done < steps) {
-      const auto logits = linear_bf16(forward(ids, pos, all_slots[done], block_tables, lens), w, c10::nullopt);
-      const bf16* rows = logits.data_ptr<bf16>();
-      const int64_t V = logits.size(1);
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t t = argmax_row(rows + b * V, V);
-        tokens.data_ptr<int64_t>()[done * B + b] = ids.data_ptr<int64_t>()[b] = t;
-        ++pos.data_ptr<int64_t>()[b];
-        ++lens.data_ptr<int64_t>()[b];
-        stopped[b] = stopped[b] || std::find(stop_ids[b].begin(), stop_ids[b].end(), t) != stop_ids[b].end();
+    if (runs_in_team(B)) {
+      done = greedy_team(burst, block_tables.to(torch::kLong).contiguous(), steps);
+    } else {
+      while (done < steps) {
+        const auto logits = linear_bf16(forward(burst.ids, burst.pos, burst.slots[done], block_tables, burst.lens),
+                                        burst.lm_head, c10::nullopt);
+        const bf16* rows = logits.data_ptr<bf16>();
+        const int64_t V = logits.size(1);
+        for (int64_t b = 0; b < B; ++b) burst.take(done, b, argmax_row(rows + b * V, V));
+        if (!burst.go_on(++done, steps, interrupted_.load())) break;
       }
-      ++done;
-      if (interrupted_.load() || std::all_of(stopped.begin(), stopped.end(), [](bool x) { return x; })) break;
     }
-    return tokens.slice(0, 0, done);
+    return burst.tokens.slice(0, 0, done);
   }
 
   // Ends a running decode_greedy after its current step; clear_interrupt() before the next.
@@ -813,10 +813,56 @@ class FusedDecoder {
  private:
   std::atomic<bool> interrupted_{false};
 
+  // The inputs of one decode step, as raw views of tensors the caller keeps.
   struct Step {
-    torch::Tensor cos, sin, slot, bt, lens;
     int64_t B, hidden;
+    const int64_t* slot;  // [B]
+    const int64_t* bt;    // [B, nb]
+    int64_t nb;
+    const int64_t* lens;  // [B]
+    uint16_t* cos;        // [B, head_dim], filled by begin_step
+    uint16_t* sin;
   };
+
+  // x = the embeddings of the step's tokens; the step's rotary rows for their positions.
+  void begin_step(const Step& s, const int64_t* ids, const int64_t* pos, uint16_t* x) const {
+    const float* cos_table = cos_.data_ptr<float>();
+    const float* sin_table = sin_.data_ptr<float>();
+    for (int64_t b = 0; b < s.B; ++b) {
+      const int64_t id = ids[b], p = pos[b];
+      TORCH_CHECK(id >= 0 && id < embed_.size(0), "token id out of range");
+      TORCH_CHECK(p >= 0 && p < cos_.size(0), "position beyond the rotary table");
+      std::memcpy(x + b * s.hidden, bits(embed_) + id * s.hidden, s.hidden * 2);
+      for (int64_t d = 0; d < D_; ++d) {
+        s.cos[b * D_ + d] = to_bf16(cos_table[p * D_ + d]);
+        s.sin[b * D_ + d] = to_bf16(sin_table[p * D_ + d]);
+      }
+    }
+  }
+
+  // A burst's state: each request's next input, position and context length, advanced step by step.
+  struct Burst {
+    torch::Tensor ids, pos, lens, slots, lm_head, tokens;
+    std::vector<std::vector<int64_t>> stop_ids;
+    std::vector<bool> stopped;
+    // Request b's token of step `step`: recorded, and its next input.
+    void take(int64_t step, int64_t b, int64_t t) {
+      const int64_t B = ids.size(0);
+      tokens.data_ptr<int64_t>()[step * B + b] = ids.data_ptr<int64_t>()[b] = t;
+      ++pos.data_ptr<int64_t>()[b];
+      ++lens.data_ptr<int64_t>()[b];
+      stopped[b] = stopped[b] || std::find(stop_ids[b].begin(), stop_ids[b].end(), t) != stop_ids[b].end();
+    }
+    // Whether another step follows `done` of `steps`.
+    bool go_on(int64_t done, int64_t steps, bool interrupted) const {
+      return done < steps && !interrupted && !std::all_of(stopped.begin(), stopped.end(), [](bool x) { return x; });
+    }
+  };
+
+  // Whether a batch of B requests runs in one parallel region (the GEMV kernel's shapes).
+  bool runs_in_team(int64_t B) const {
+    return B <= kMaxGemvRows && embed_.size(1) % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
+  }
 
   // Request b's new q, k, v (one row of the qkv projection): q/k norms where the model has them, rotary
   // on q and k, q copied out for attention, k and v written to the cache slot of the new token.
@@ -829,83 +875,176 @@ class FusedDecoder {
       rms_norm_rows(qb, bits(*L.q_norm), qb, H_, D_, eps_);
       rms_norm_rows(kb, bits(*L.k_norm), kb, KVH_, D_, eps_);
     }
-    const uint16_t* cb = bits(s.cos) + b * D_;
-    const uint16_t* sb = bits(s.sin) + b * D_;
+    const uint16_t* cb = s.cos + b * D_;
+    const uint16_t* sb = s.sin + b * D_;
     for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, D_);
     for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
     std::memcpy(q + b * QS, qb, QS * 2);
-    const int64_t slot = s.slot.data_ptr<int64_t>()[b];
+    const int64_t slot = s.slot[b];
     std::memcpy(reinterpret_cast<uint16_t*>(L.k_cache.data_ptr()) + slot * KVS, kb, KVS * 2);
     std::memcpy(reinterpret_cast<uint16_t*>(L.v_cache.data_ptr()) + slot * KVS, vb, KVS * 2);
   }
+
+  // The step's intermediate results, shared by the threads of a team.
+  struct TeamBuffers {
+    std::vector<uint16_t> qkv, q, attn, gu, act;
+    std::vector<uint16_t> normed;  // each thread's own copy of the normed input
+    TeamBuffers(const FusedDecoder& d, int64_t B, int threads)
+        : qkv(B * (d.H_ + 2 * d.KVH_) * d.D_), q(B * d.H_ * d.D_), attn(B * d.H_ * d.D_), gu(B * 2 * d.I_),
+          act(B * d.I_), normed(threads * B * d.embed_.size(1)) {}
+  };
+
+  // What a thread of a team keeps for itself.
+  struct ThreadState {
+    AttentionPlan::Scratch scratch;
+    std::vector<float> merged;
+    explicit ThreadState(int64_t D) : merged(D) {}
+  };
+
+  // The walks ahead of a thread's weight stream: started their distance ahead, those first bytes asked
+  // for now. With `wrap`, the walk goes on from the stream's end to its start (the next step of a burst).
+  struct Walks {
+    FarAhead far;
+    NearAhead near;
+    Walks(const std::vector<Segment>& stream, int64_t B, bool wrap)
+        : far(stream.data(), stream.size(), wrap), near(stream.data(), stream.size(), wrap) {
+      if (B == 1) {
+        near.advance(kPrefetchRowBytes, true);
+      } else {
+        far.advance(kPrefetchL2Bytes, true);
+        near.advance(kPrefetchL1Bytes, true);
+      }
+    }
+  };
 
   // A step of a few requests runs in one parallel region. Each thread computes a fixed share of every
   // projection's rows, so its weight reads for the whole step are one stream (its slices of each matrix
   // in turn) walked ahead of it across matrix boundaries; phases that need other threads' results
   // (the whole qkv row, all heads' attention, the full residual) wait at a barrier. The small
   // element-wise pieces between projections run on every thread or are split by request.
-  void forward_team(const Step& s, uint16_t* xp, uint16_t* out) {
+  // This is thread w of n's part of the decoder layers, on the residual stream xp [B, hidden].
+  void team_layers(const Step& s, AttentionPlan& plan, TeamBuffers& buf, uint16_t* xp, int w, int n,
+                   SpinBarrier& barrier, Walks& walks, ThreadState& ts) {
     const int64_t B = s.B, hidden = s.hidden, QS = H_ * D_, KVS = KVH_ * D_, QKV = QS + 2 * KVS;
+    auto bias = [](const c10::optional<torch::Tensor>& t) { return t ? bits(*t) : nullptr; };
+    const bf16* qh = reinterpret_cast<const bf16*>(buf.q.data());
+    bf16* attn_h = reinterpret_cast<bf16*>(buf.attn.data());
+    auto& [far, near] = walks;
+    uint16_t* h = buf.normed.data() + w * B * hidden;
+    const auto [r0, r1] = share(QKV, w, n);
+    const auto [o0, o1] = share(hidden, w, n);
+    const auto [i0, i1] = share(I_, w, n);
+    const int64_t j0 = B * H_ * w / n, j1 = B * H_ * (w + 1) / n;
+    uint16_t *qkv = buf.qkv.data(), *gu = buf.gu.data(), *act = buf.act.data();
+    for (const auto& L : layers_) {
+      const bf16* kc = L.k_cache.data_ptr<bf16>();
+      const bf16* vc = L.v_cache.data_ptr<bf16>();
+      rms_norm_rows(xp, bits(L.input_norm), h, B, hidden, eps_);
+      gemv_rows(h, B, bits(L.qkv), hidden, QKV, r0, r1, bias(L.qkv_bias), qkv, false, far, near);
+      for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<bf16>(i, kc, vc);
+      barrier.wait(n);
+      for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv + b * QKV, buf.q.data());
+      barrier.wait(n);
+      for (int64_t i = w; i < plan.parts; i += n) plan.run_part<bf16>(i, qh, kc, vc, ts.scratch);
+      barrier.wait(n);
+      for (int64_t j = j0; j < j1; ++j) plan.merge<bf16>(j, attn_h, ts.merged.data());
+      barrier.wait(n);
+      gemv_rows(buf.attn.data(), B, bits(L.o), QS, hidden, o0, o1, bias(L.o_bias), xp, true, far, near);
+      barrier.wait(n);
+      rms_norm_rows(xp, bits(L.post_norm), h, B, hidden, eps_);
+      // This thread's gate rows and the matching up rows, so it can apply SwiGLU to them at once.
+      const uint16_t* gu_bias = bias(L.gate_up_bias);
+      gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, i0, i1, gu_bias, gu, false, far, near);
+      gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, I_ + i0, I_ + i1, gu_bias, gu, false, far, near);
+      for (int64_t b = 0; b < B; ++b) silu_mul(gu + b * 2 * I_ + i0, gu + b * 2 * I_ + I_ + i0, act + b * I_ + i0, i1 - i0);
+      barrier.wait(n);
+      gemv_rows(act, B, bits(L.down), I_, hidden, o0, o1, bias(L.down_bias), xp, true, far, near);
+      barrier.wait(n);
+    }
+  }
+
+  // A burst of greedy steps of a few requests in one parallel region: each thread's stream runs on from
+  // its share of the decoder layers to its share of the output layer's rows and back to the layers of
+  // the next step, so neither the output layer nor a new step starts cold or waits for a new region.
+  // Each thread takes the largest logit of its rows (bf16-rounded, as linear_bf16 leaves them; first
+  // index on ties, the first NaN if any, as argmax_row), and one thread combines them in row order,
+  // which gives the whole row's argmax. Returns the number of steps done.
+  int64_t greedy_team(Burst& burst, const torch::Tensor& bt, int64_t steps) {
+    const int64_t B = burst.ids.size(0), hidden = embed_.size(1), V = burst.lm_head.size(0);
     const int threads = (int)team_size();
     plan_streams(threads, hidden);
-    std::vector<uint16_t> qkv(B * QKV), q(B * QS), attn(B * QS), gu(B * 2 * I_), act(B * I_);
-    std::vector<uint16_t> normed(threads * B * hidden);  // each thread's own copy of the normed input
-    AttentionPlan plan(s.bt.data_ptr<int64_t>(), s.lens.data_ptr<int64_t>(), B, H_, KVH_, D_, s.bt.size(1), bs_,
-                       scale_, window_, threads);
-    auto bias = [](const c10::optional<torch::Tensor>& t) { return t ? bits(*t) : nullptr; };
-    const bf16* qh = reinterpret_cast<const bf16*>(q.data());
-    bf16* attn_h = reinterpret_cast<bf16*>(attn.data());
-
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
+    auto x = torch::empty({B, hidden}, opts);
+    auto cos = torch::empty({B, D_}, opts), sin = torch::empty({B, D_}, opts);
+    const int64_t* all_slots = burst.slots.data_ptr<int64_t>();
+    Step s{B, hidden, all_slots, bt.data_ptr<int64_t>(), bt.size(1), burst.lens.data_ptr<int64_t>(),
+           bits_mut(cos), bits_mut(sin)};
+    TeamBuffers buf(*this, B, threads);
+    std::vector<uint16_t> logits(B * V);
+    struct Best {
+      int64_t index;  // -1: an empty share
+      float value;
+    };
+    std::vector<Best> best(threads * B);
+    // Inside the region nothing may throw (the other threads would wait at a barrier for ever): the
+    // positions of every step must lie in the rotary table, and every token chosen in the embedding.
+    TORCH_CHECK(V <= embed_.size(0), "lm_head has more rows than the embedding");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(burst.pos.data_ptr<int64_t>()[b] + steps <= cos_.size(0), "position beyond the rotary table");
+    std::optional<AttentionPlan> plan;
+    int64_t done = 0;
+    bool more = steps > 0;
+    auto next_step = [&] {  // on one thread, while the others wait
+      s.slot = all_slots + done * B;
+      begin_step(s, burst.ids.data_ptr<int64_t>(), burst.pos.data_ptr<int64_t>(), bits_mut(x));
+      plan.emplace(s.bt, s.lens, B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+    };
+    if (more) next_step();
+    const uint16_t* head = bits(burst.lm_head);
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
-      const std::vector<Segment>& stream = streams_[n][w];
-      FarAhead far(stream.data(), stream.size());
-      NearAhead near(stream.data(), stream.size());
-      if (B == 1) {  // start the walks their distance ahead, asking for those first bytes now
-        near.advance(kPrefetchRowBytes, true);
-      } else {
-        far.advance(kPrefetchL2Bytes, true);
-        near.advance(kPrefetchL1Bytes, true);
-      }
-      uint16_t* h = normed.data() + w * B * hidden;
-      const auto [r0, r1] = share(QKV, w, n);
-      const auto [o0, o1] = share(hidden, w, n);
-      const auto [i0, i1] = share(I_, w, n);
-      const int64_t j0 = B * H_ * w / n, j1 = B * H_ * (w + 1) / n;
-      AttentionPlan::Scratch scratch;
-      std::vector<float> merged(D_);
-      for (const auto& L : layers_) {
-        const bf16* kc = L.k_cache.data_ptr<bf16>();
-        const bf16* vc = L.v_cache.data_ptr<bf16>();
-        rms_norm_rows(xp, bits(L.input_norm), h, B, hidden, eps_);
-        gemv_rows(h, B, bits(L.qkv), hidden, QKV, r0, r1, bias(L.qkv_bias), qkv.data(), false, far, near);
-        for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<bf16>(i, kc, vc);
+      std::vector<Segment> stream = streams_[n][w];
+      const auto [v0, v1] = share(V, w, n);
+      const char* base = reinterpret_cast<const char*>(head);
+      stream.push_back({base + v0 * hidden * 2, base + v1 * hidden * 2});
+      Walks walks(stream, B, true);
+      ThreadState ts(D_);
+      uint16_t* h = buf.normed.data() + w * B * hidden;
+      while (more) {
+        team_layers(s, *plan, buf, bits_mut(x), w, n, barrier, walks, ts);
+        rms_norm_rows(bits(x), bits(final_norm_), h, B, hidden, eps_);
+        gemv_rows(h, B, head, hidden, V, v0, v1, nullptr, logits.data(), false, walks.far, walks.near);
+        for (int64_t b = 0; b < B; ++b) {
+          const bf16* row = reinterpret_cast<const bf16*>(logits.data()) + b * V;
+          const int64_t i = v1 > v0 ? v0 + argmax_row(row + v0, v1 - v0) : -1;
+          best[w * B + b] = {i, i >= 0 ? static_cast<float>(row[i]) : 0.f};
+        }
         barrier.wait(n);
-        for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv.data() + b * QKV, q.data());
-        barrier.wait(n);
-        for (int64_t i = w; i < plan.parts; i += n) plan.run_part<bf16>(i, qh, kc, vc, scratch);
-        barrier.wait(n);
-        for (int64_t j = j0; j < j1; ++j) plan.merge<bf16>(j, attn_h, merged.data());
-        barrier.wait(n);
-        gemv_rows(attn.data(), B, bits(L.o), QS, hidden, o0, o1, bias(L.o_bias), xp, true, far, near);
-        barrier.wait(n);
-        rms_norm_rows(xp, bits(L.post_norm), h, B, hidden, eps_);
-        // This thread's gate rows and the matching up rows, so it can apply SwiGLU to them at once.
-        const uint16_t* gu_bias = bias(L.gate_up_bias);
-        gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, i0, i1, gu_bias, gu.data(), false, far, near);
-        gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, I_ + i0, I_ + i1, gu_bias, gu.data(), false, far, near);
-        for (int64_t b = 0; b < B; ++b)
-          silu_mul(gu.data() + b * 2 * I_ + i0, gu.data() + b * 2 * I_ + I_ + i0, act.data() + b * I_ + i0, i1 - i0);
-        barrier.wait(n);
-        gemv_rows(act.data(), B, bits(L.down), I_, hidden, o0, o1, bias(L.down_bias), xp, true, far, near);
+        if (w == 0) {
+          for (int64_t b = 0; b < B; ++b) {
+            int64_t pick = -1;
+            float top = 0.f;
+            for (int t = 0; t < n; ++t) {
+              const Best& c = best[t * B + b];
+              if (c.index < 0) continue;
+              if (std::isnan(c.value)) {  // the first NaN of the row
+                pick = c.index;
+                break;
+              }
+              if (pick < 0 || c.value > top) pick = c.index, top = c.value;
+            }
+            burst.take(done, b, pick);
+          }
+          more = burst.go_on(++done, steps, interrupted_.load());
+          if (more) next_step();
+        }
         barrier.wait(n);
       }
-      for (int64_t b = w; b < B; b += n)
-        rms_norm_rows(xp + b * hidden, bits(final_norm_), out + b * hidden, 1, hidden, eps_);
     });
+    return done;
   }
 
   // The weight bytes thread w of n reads in a step, in order: its rows of qkv, o, gate, up and down of
-  // each layer (the shares forward_team gives it). Made once per thread count.
+  // each layer (the shares team_layers gives it). Made once per thread count.
   void plan_streams(int threads, int64_t hidden) {
     if ((int)streams_.size() > threads) return;
     const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
@@ -945,8 +1084,7 @@ class FusedDecoder {
       auto qkv = linear_bf16(h, L.qkv, L.qkv_bias);
       for (int64_t b = 0; b < B; ++b) place_token(L, s, b, bits_mut(qkv) + b * (QS + 2 * KVS), bits_mut(q));
       decode_attention<bf16>(q.data_ptr<bf16>(), L.k_cache.data_ptr<bf16>(), L.v_cache.data_ptr<bf16>(),
-                             s.bt.data_ptr<int64_t>(), s.lens.data_ptr<int64_t>(), attn.data_ptr<bf16>(), B, H_,
-                             KVH_, D_, s.bt.size(1), bs_, scale_, window_);
+                             s.bt, s.lens, attn.data_ptr<bf16>(), B, H_, KVH_, D_, s.nb, bs_, scale_, window_);
       auto o = linear_bf16(attn, L.o, L.o_bias);
       add_into(xp, bits(o), B * hidden);
       rms_norm_rows(xp, bits(L.post_norm), bits_mut(h), B, hidden, eps_);
