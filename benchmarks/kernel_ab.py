@@ -1,13 +1,17 @@
-"""Paired A/B of two versions of the CPU kernels: the fused decode forward of the default model, at
-given context lengths, alternating the two builds round after round.
+"""Paired A/B of two versions of the CPU kernels on the default model, alternating the two builds
+round after round.
 
     python benchmarks/kernel_ab.py --base HEAD~1 [--contexts 200,1500] [--seconds 120]
+    python benchmarks/kernel_ab.py --base HEAD~1 --workload generate [--seconds 300]
 
-Builds the working tree's tokenmill/kernels/cpu_kernels.cpp and the one at git revision BASE, captures
-a real batch-1 decode step at each context, then, each round, probes the memory bandwidth and runs
-every (build, context) pair in random order (the median of 3 forward passes each). Rounds are grouped
-by the memory state their probe found, since this machine's memory switches between two speeds.
-Differences under a few percent are within what two copies of one build show here.
+Builds the working tree's tokenmill/kernels/cpu_kernels.cpp and the one at git revision BASE. Each
+round probes the memory bandwidth, then runs every case with each build in random order:
+- forward (default): a real batch-1 decode step captured at each context, the fused decoder's forward
+  alone (the median of 3 passes);
+- generate: a whole greedy generation of 128 tokens after a 128-token prompt through the engine
+  (decode in bursts), timed less the same prompt's first token; both builds must give the same tokens.
+Rounds are grouped by the memory state their probe found, since this machine's memory switches
+between two speeds. Differences under a few percent are within what two copies of one build show here.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="git revision of the kernels to compare against")
     ap.add_argument("--contexts", default="200,1500")
     ap.add_argument("--seconds", type=float, default=120)
+    ap.add_argument("--workload", choices=["forward", "generate"], default="forward")
     args = ap.parse_args()
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     source = subprocess.run(["git", "show", f"{args.base}:tokenmill/kernels/cpu_kernels.cpp"], cwd=root,
@@ -66,9 +71,12 @@ def main() -> None:
         f.write(source)
     builds = {"base": cpu_kernels.build(base_file), "new": cpu_kernels.build(cpu_kernels._SOURCE)}
 
-    llm = LLM(dtype="bfloat16", num_scheduler_steps=1)
+    llm = LLM(dtype="bfloat16", num_scheduler_steps=1 if args.workload == "forward" else 8)
     model, kv = llm.engine.model, llm.engine.runner.kv_caches
-    steps = {c: capture_step(llm, c) for c in map(int, args.contexts.split(","))}
+    if args.workload == "forward":
+        cases = {f"context {c}": forward_case(llm, c) for c in map(int, args.contexts.split(","))}
+    else:
+        cases = {"generate 128 tokens": generate_case(llm)}
     decoders = {}
     for name, module in builds.items():
         cpu_kernels._module = module
@@ -81,28 +89,62 @@ def main() -> None:
             start = time.perf_counter()
             probe.sum()
             r = {"GBps": probe.numel() * 4 / (time.perf_counter() - start) / 1e9}
-            pairs = [(n, c) for n in decoders for c in steps]
+            pairs = [(n, c) for n in decoders for c in cases]
             random.shuffle(pairs)
             for name, c in pairs:
-                s, times = steps[c], []
-                for _ in range(3):
-                    t = time.perf_counter()
-                    decoders[name].forward(s["ids"], s["pos"], s["meta"].slot_mapping,
-                                           s["meta"].decode_block_tables, s["meta"].decode_seq_lens)
-                    times.append(time.perf_counter() - t)
-                r[name, c] = statistics.median(times)
+                r[name, c] = cases[c](decoders[name])
             rounds.append(r)
     for state, chosen in (("fast", [r for r in rounds if r["GBps"] > FAST_GBPS]),
                           ("usual", [r for r in rounds if r["GBps"] <= FAST_GBPS])):
         if not chosen:
             print(f"{state} memory state: no rounds")
             continue
-        for c in steps:
+        for c in cases:
             base = statistics.median(r["base", c] for r in chosen) * 1e3
             new = statistics.median(r["new", c] for r in chosen) * 1e3
             ratio = statistics.median(r["new", c] / r["base", c] for r in chosen)
-            print(f"{state} memory state, {len(chosen)} rounds, context {c}: base {base:.2f} ms, new {new:.2f} ms, "
+            print(f"{state} memory state, {len(chosen)} rounds, {c}: base {base:.2f} ms, new {new:.2f} ms, "
                   f"new/base {ratio:.3f} (median of per-round ratios)")
+
+
+def forward_case(llm: LLM, context: int):
+    """Times the fused forward of a real decode step at the given context (the median of 3 passes)."""
+    s = capture_step(llm, context)
+
+    def run(decoder) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            decoder.forward(s["ids"], s["pos"], s["meta"].slot_mapping, s["meta"].decode_block_tables,
+                            s["meta"].decode_seq_lens)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    return run
+
+
+def generate_case(llm: LLM):
+    """Times 127 greedy decode steps (the time of 128 tokens less that of the first) with a given decoder
+    in the engine's place; the builds must agree on the tokens."""
+    model = llm.engine.model
+    prompt = [[(1000 + 7 * j) % llm.engine.vocab_size for j in range(128)]]
+    first, full = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 128))
+    llm.generate(prompt, full, use_tqdm=False)  # builds the engine's own decoder, whose key is reused
+    key = model._fused[0]
+    tokens = []
+
+    def run(decoder) -> float:
+        model._fused = (key, decoder)
+        t = time.perf_counter()
+        llm.generate(prompt, first, use_tqdm=False)
+        t1 = time.perf_counter()
+        out = llm.generate(prompt, full, use_tqdm=False)
+        t2 = time.perf_counter()
+        tokens.append(out[0].outputs[0].token_ids)
+        assert tokens[-1] == tokens[0], "the two builds chose different tokens"
+        return (t2 - t1) - (t1 - t)
+
+    return run
 
 
 if __name__ == "__main__":
