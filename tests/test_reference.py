@@ -151,6 +151,30 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
 
 
+@pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, torch's GEMM
+def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_requests):
+    """Decode steps that sample take their logits from the fused decoder's one call (the layers and the
+    output layer together): the same tokens and logprobs, seeded, as the hidden states through the
+    model's own output layer."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU decode kernels do not run here")
+    folder = tiny_models["llama"]
+    prompts = [list(range(10 + i, 30 + 2 * i)) for i in range(num_requests)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, logprobs=2, seed=i) for i in range(num_requests)]
+    results = []
+    for one_call in (True, False):
+        llm = LLM(folder, dtype="bfloat16", seed=0, kv_cache_memory=1 << 22)
+        model = llm.engine.model
+        calls = []
+        own = model.decode_logits
+        model.decode_logits = lambda *a: calls.append(own(*a) if one_call else None) or calls[-1]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert len(calls) >= 11 and all((c is not None) == one_call for c in calls)
+        results.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                        for o in outs])
+    assert results[0] == results[1]
+
+
 def test_cpu_kernels_build_where_the_cpu_supports_them():
     """Where the CPU has AVX-512 BF16 and a C++ compiler is installed, the kernels must build: a broken
     build would otherwise only show as skipped kernel tests and a slow decode."""

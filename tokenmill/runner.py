@@ -97,14 +97,22 @@ class ModelRunner:
         # Single-token requests first: the attention backend batches them in one call.
         items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, starts = self._prepare(items)
+        out = ModelOutput()
+        decode_only = meta.num_decodes == meta.num_reqs
+        # A decode-only step in which every request samples and none wants prompt logprobs needs only the
+        # logits, which the fused CPU decoder computes in the same call as the layers.
+        if (decode_only and self.decode_graphs is None and hasattr(self.model, "decode_logits")
+                and all(s.samples and s.request.sampling_params.prompt_logprobs is None for s in items)):
+            logits = self.model.decode_logits(input_ids, positions, self.kv_caches, meta)
+            if logits is not None:
+                return self._sample(out, logits, [s.request for s in items])
         hidden = None
-        if self.decode_graphs is not None and meta.num_decodes == meta.num_reqs:
+        if self.decode_graphs is not None and decode_only:
             hidden = self.decode_graphs.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
                                                 meta.decode_seq_lens)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        out = ModelOutput()
         sample_rows, sample_reqs = [], []
         for s, start in zip(items, starts):
             if s.samples:
@@ -113,12 +121,16 @@ class ModelRunner:
             if s.request.sampling_params.prompt_logprobs is not None:
                 out.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + s.num_new_tokens])
         if sample_reqs:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            tokens, logprobs = self.sampler(logits, sample_reqs)
-            for req, tok, lp in zip(sample_reqs, tokens, logprobs):
-                out.sampled[req.request_id] = tok
-                if lp is not None:
-                    out.logprobs[req.request_id] = lp
+            self._sample(out, self.model.compute_logits(hidden[sample_rows]), sample_reqs)
+        return out
+
+    def _sample(self, out: ModelOutput, logits: torch.Tensor, reqs: list[Request]) -> ModelOutput:
+        """Each request's token (and logprobs) from its row of logits, into out."""
+        tokens, logprobs = self.sampler(logits, reqs)
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            out.sampled[req.request_id] = tok
+            if lp is not None:
+                out.logprobs[req.request_id] = lp
         return out
 
     def _slot(self, req: Request, position: int) -> int:

@@ -806,6 +806,45 @@ class FusedDecoder {
     return burst.tokens.slice(0, 0, done);
   }
 
+  // forward, then the output layer: logits [B, vocab] = hidden x lm_head^T in bf16 (as linear_bf16
+  // computes them), for a few requests in one parallel region, each thread's weight stream running on
+  // from its rows of the layers into its share of lm_head's rows.
+  torch::Tensor logits(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
+                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor lm_head) {
+    TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
+                "lm_head: bf16 [vocab, hidden]");
+    const int64_t B = input_ids.size(0);
+    if (!runs_in_team(B))
+      return linear_bf16(forward(input_ids, positions, slots, block_tables, seq_lens), lm_head, c10::nullopt);
+    auto ids = input_ids.to(torch::kLong).contiguous();
+    auto pos = positions.to(torch::kLong).contiguous();
+    auto slot = slots.to(torch::kLong).contiguous();
+    auto bt = block_tables.to(torch::kLong).contiguous();
+    auto lens = seq_lens.to(torch::kLong).contiguous();
+    auto head = lm_head.contiguous();
+    const int64_t hidden = embed_.size(1), V = head.size(0);
+    TORCH_CHECK(pos.size(0) == B && slot.size(0) == B && bt.size(0) == B && lens.size(0) == B, "batch mismatch");
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
+    auto x = torch::empty({B, hidden}, opts);
+    auto cos = torch::empty({B, D_}, opts), sin = torch::empty({B, D_}, opts);
+    Step s{B, hidden, slot.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), bt.size(1), lens.data_ptr<int64_t>(),
+           bits_mut(cos), bits_mut(sin)};
+    begin_step(s, ids.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), bits_mut(x));
+    auto out = torch::empty({B, V}, opts);
+    const int threads = (int)team_size();
+    plan_streams(threads, hidden);
+    TeamBuffers buf(*this, B, threads);
+    AttentionPlan plan(s.bt, s.lens, B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+    run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
+      const auto stream = stream_with_head(w, n, head);
+      Walks walks(stream, B, false);
+      ThreadState ts(D_);
+      team_layers(s, plan, buf, bits_mut(x), w, n, barrier, walks, ts);
+      team_logits(bits(x), B, head, w, n, buf, bits_mut(out), walks);
+    });
+    return out;
+  }
+
   // Ends a running decode_greedy after its current step; clear_interrupt() before the next.
   void interrupt() { interrupted_.store(true); }
   void clear_interrupt() { interrupted_.store(false); }
@@ -963,6 +1002,29 @@ class FusedDecoder {
     }
   }
 
+  // Thread w of n's weight stream for a step that ends in the output layer: its rows of the decoder
+  // layers (see plan_streams), then its share of head's rows (those team_logits gives it).
+  std::vector<Segment> stream_with_head(int w, int n, const torch::Tensor& head) const {
+    std::vector<Segment> stream = streams_[n][w];
+    const auto [v0, v1] = share(head.size(0), w, n);
+    const char* base = reinterpret_cast<const char*>(head.data_ptr());
+    const int64_t row = head.size(1) * 2;
+    stream.push_back({base + v0 * row, base + v1 * row});
+    return stream;
+  }
+
+  // Thread w of n's share of the logits [B, vocab] of the residual stream x: the final norm (each
+  // thread its own copy), then its rows of head. Returns those rows [v0, v1).
+  std::pair<int64_t, int64_t> team_logits(const uint16_t* x, int64_t B, const torch::Tensor& head, int w, int n,
+                                          TeamBuffers& buf, uint16_t* logits, Walks& walks) {
+    const int64_t hidden = embed_.size(1), V = head.size(0);
+    uint16_t* h = buf.normed.data() + w * B * hidden;
+    rms_norm_rows(x, bits(final_norm_), h, B, hidden, eps_);
+    const auto [v0, v1] = share(V, w, n);
+    gemv_rows(h, B, bits(head), hidden, V, v0, v1, nullptr, logits, false, walks.far, walks.near);
+    return {v0, v1};
+  }
+
   // A burst of greedy steps of a few requests in one parallel region: each thread's stream runs on from
   // its share of the decoder layers to its share of the output layer's rows and back to the layers of
   // the next step, so neither the output layer nor a new step starts cold or waits for a new region.
@@ -1000,19 +1062,13 @@ class FusedDecoder {
       plan.emplace(s.bt, s.lens, B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
     };
     if (more) next_step();
-    const uint16_t* head = bits(burst.lm_head);
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
-      std::vector<Segment> stream = streams_[n][w];
-      const auto [v0, v1] = share(V, w, n);
-      const char* base = reinterpret_cast<const char*>(head);
-      stream.push_back({base + v0 * hidden * 2, base + v1 * hidden * 2});
+      const auto stream = stream_with_head(w, n, burst.lm_head);
       Walks walks(stream, B, true);
       ThreadState ts(D_);
-      uint16_t* h = buf.normed.data() + w * B * hidden;
       while (more) {
         team_layers(s, *plan, buf, bits_mut(x), w, n, barrier, walks, ts);
-        rms_norm_rows(bits(x), bits(final_norm_), h, B, hidden, eps_);
-        gemv_rows(h, B, head, hidden, V, v0, v1, nullptr, logits.data(), false, walks.far, walks.near);
+        const auto [v0, v1] = team_logits(bits(x), B, burst.lm_head, w, n, buf, logits.data(), walks);
         for (int64_t b = 0; b < B; ++b) {
           const bf16* row = reinterpret_cast<const bf16*>(logits.data()) + b * V;
           const int64_t i = v1 > v0 ? v0 + argmax_row(row + v0, v1 - v0) : -1;
@@ -1168,6 +1224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FusedDecoder::add_layer)
       .def("forward", &FusedDecoder::forward, release())
       .def("decode_greedy", &FusedDecoder::decode_greedy, release())
+      .def("logits", &FusedDecoder::logits, release())
       .def("interrupt", &FusedDecoder::interrupt)
       .def("clear_interrupt", &FusedDecoder::clear_interrupt);
 }

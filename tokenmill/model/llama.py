@@ -141,6 +141,16 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ fused decode
     use_fused_decode = True  # False keeps every step on the module-by-module path
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                      meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits [T, vocab] of a decode-only step from the fused decoder, the layers and the output layer
+        in one call; None where the fused decoder does not run this step."""
+        fused = self._fused_decoder(kv_caches, meta)
+        if fused is None:
+            return None
+        return fused.logits(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                            meta.decode_seq_lens, self.output_weight().detach())
+
     def _fused_decoder(self, kv_caches: list, meta: AttentionMetadata):
         """The compiled whole-step decoder when this step is decode only, bf16 on a CPU that runs it; else None."""
         weight = self.embed_tokens.weight
