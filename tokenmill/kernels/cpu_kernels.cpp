@@ -740,34 +740,23 @@ class FusedDecoder {
   // Returns the final-normed hidden states [B, hidden].
   torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens) {
-    auto ids = input_ids.to(torch::kLong).contiguous();
-    auto pos = positions.to(torch::kLong).contiguous();
-    auto slot = slots.to(torch::kLong).contiguous();
-    auto bt = block_tables.to(torch::kLong).contiguous();
-    auto lens = seq_lens.to(torch::kLong).contiguous();
-    const int64_t B = ids.size(0), hidden = embed_.size(1);
-    TORCH_CHECK(pos.size(0) == B && slot.size(0) == B && bt.size(0) == B && lens.size(0) == B, "batch mismatch");
-    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
-    auto x = torch::empty({B, hidden}, opts);  // the residual stream, starting from the embeddings
-    auto cos = torch::empty({B, D_}, opts), sin = torch::empty({B, D_}, opts);
-    Step s{B, hidden, slot.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), bt.size(1), lens.data_ptr<int64_t>(),
-           bits_mut(cos), bits_mut(sin)};
-    begin_step(s, ids.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), bits_mut(x));
-    auto out = torch::empty_like(x);
-    if (runs_in_team(B)) {
+    StepInputs in = prepare(input_ids, positions, slots, block_tables, seq_lens);
+    const Step& s = in.step;
+    auto out = torch::empty_like(in.x);
+    if (runs_in_team(s.B)) {
       const int threads = (int)team_size();
-      plan_streams(threads, hidden);
-      TeamBuffers buf(*this, B, threads);
-      AttentionPlan plan(s.bt, s.lens, B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+      plan_streams(threads, s.hidden);
+      TeamBuffers buf(*this, s.B, threads);
+      AttentionPlan plan(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
       run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
-        Walks walks(streams_[n][w], B, false);
+        Walks walks(streams_[n][w], s.B, false);
         ThreadState ts(D_);
-        team_layers(s, plan, buf, bits_mut(x), w, n, barrier, walks, ts);
-        for (int64_t b = w; b < B; b += n)
-          rms_norm_rows(bits(x) + b * hidden, bits(final_norm_), bits_mut(out) + b * hidden, 1, hidden, eps_);
+        team_layers(s, plan, buf, bits_mut(in.x), w, n, barrier, walks, ts);
+        for (int64_t b = w; b < s.B; b += n)
+          rms_norm_rows(bits(in.x) + b * s.hidden, bits(final_norm_), bits_mut(out) + b * s.hidden, 1, s.hidden, eps_);
       });
     } else {
-      forward_batched(s, x, out);
+      forward_batched(s, in.x, out);
     }
     return out;
   }
@@ -813,34 +802,22 @@ class FusedDecoder {
                        torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor lm_head) {
     TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
                 "lm_head: bf16 [vocab, hidden]");
-    const int64_t B = input_ids.size(0);
-    if (!runs_in_team(B))
+    if (!runs_in_team(input_ids.size(0)))
       return linear_bf16(forward(input_ids, positions, slots, block_tables, seq_lens), lm_head, c10::nullopt);
-    auto ids = input_ids.to(torch::kLong).contiguous();
-    auto pos = positions.to(torch::kLong).contiguous();
-    auto slot = slots.to(torch::kLong).contiguous();
-    auto bt = block_tables.to(torch::kLong).contiguous();
-    auto lens = seq_lens.to(torch::kLong).contiguous();
+    StepInputs in = prepare(input_ids, positions, slots, block_tables, seq_lens);
+    const Step& s = in.step;
     auto head = lm_head.contiguous();
-    const int64_t hidden = embed_.size(1), V = head.size(0);
-    TORCH_CHECK(pos.size(0) == B && slot.size(0) == B && bt.size(0) == B && lens.size(0) == B, "batch mismatch");
-    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
-    auto x = torch::empty({B, hidden}, opts);
-    auto cos = torch::empty({B, D_}, opts), sin = torch::empty({B, D_}, opts);
-    Step s{B, hidden, slot.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), bt.size(1), lens.data_ptr<int64_t>(),
-           bits_mut(cos), bits_mut(sin)};
-    begin_step(s, ids.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), bits_mut(x));
-    auto out = torch::empty({B, V}, opts);
+    auto out = torch::empty({s.B, head.size(0)}, in.x.options());
     const int threads = (int)team_size();
-    plan_streams(threads, hidden);
-    TeamBuffers buf(*this, B, threads);
-    AttentionPlan plan(s.bt, s.lens, B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+    plan_streams(threads, s.hidden);
+    TeamBuffers buf(*this, s.B, threads);
+    AttentionPlan plan(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n, head);
-      Walks walks(stream, B, false);
+      Walks walks(stream, s.B, false);
       ThreadState ts(D_);
-      team_layers(s, plan, buf, bits_mut(x), w, n, barrier, walks, ts);
-      team_logits(bits(x), B, head, w, n, buf, bits_mut(out), walks);
+      team_layers(s, plan, buf, bits_mut(in.x), w, n, barrier, walks, ts);
+      team_logits(bits(in.x), s.B, head, w, n, buf, bits_mut(out), walks);
     });
     return out;
   }
@@ -862,6 +839,33 @@ class FusedDecoder {
     uint16_t* cos;        // [B, head_dim], filled by begin_step
     uint16_t* sin;
   };
+
+  // A step's inputs: the caller's tensors as contiguous int64, the residual stream x [B, hidden] started
+  // from the tokens' embeddings, the rotary rows of their positions, and a Step viewing them.
+  struct StepInputs {
+    torch::Tensor ids, pos, slot, bt, lens, x, cos, sin;
+    Step step;
+  };
+  StepInputs prepare(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
+    StepInputs in;
+    in.ids = input_ids.to(torch::kLong).contiguous();
+    in.pos = positions.to(torch::kLong).contiguous();
+    in.slot = slots.to(torch::kLong).contiguous();
+    in.bt = block_tables.to(torch::kLong).contiguous();
+    in.lens = seq_lens.to(torch::kLong).contiguous();
+    const int64_t B = in.ids.size(0), hidden = embed_.size(1);
+    TORCH_CHECK(in.pos.size(0) == B && in.slot.size(0) == B && in.bt.size(0) == B && in.lens.size(0) == B,
+                "batch mismatch");
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
+    in.x = torch::empty({B, hidden}, opts);
+    in.cos = torch::empty({B, D_}, opts);
+    in.sin = torch::empty({B, D_}, opts);
+    in.step = {B, hidden, in.slot.data_ptr<int64_t>(), in.bt.data_ptr<int64_t>(), in.bt.size(1),
+               in.lens.data_ptr<int64_t>(), bits_mut(in.cos), bits_mut(in.sin)};
+    begin_step(in.step, in.ids.data_ptr<int64_t>(), in.pos.data_ptr<int64_t>(), bits_mut(in.x));
+    return in;
+  }
 
   // x = the embeddings of the step's tokens; the step's rotary rows for their positions.
   void begin_step(const Step& s, const int64_t* ids, const int64_t* pos, uint16_t* x) const {
