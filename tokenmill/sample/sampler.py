@@ -121,7 +121,6 @@ class Sampler:
                     logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], k)
         return token_list, logprobs
 
-
     def _draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """One token per row of probs [rows, vocab], drawn by inverting the row's cumulative distribution
         with one uniform number from the request's own generator (or the sampler's). The running sums are
