@@ -23,6 +23,22 @@ def test_offline_throughput_and_latency_count_tokens(tiny_models):
     assert lat["ttft_s"]["p50"] <= lat["e2e_s"]["p50"] and lat["tpot_s"]["mean"] > 0
 
 
+def test_latency_samples_at_the_temperature_asked(tiny_models):
+    """bench latency --temperature: the batch's tokens are drawn at that temperature (the sampler sees
+    it), not chosen greedily."""
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    runner = llm.engine.runner
+    real, seen = runner.sampler, []
+
+    def spy(logits, reqs):
+        seen.extend(r.sampling_params.temperature for r in reqs)
+        return real(logits, reqs)
+
+    runner.sampler = spy
+    lat = run_latency(llm, batch_size=2, input_len=6, output_len=4, iters=1, warmup=0, temperature=0.7)
+    assert lat["temperature"] == 0.7 and len(seen) == 2 * 4 and set(seen) == {0.7}
+
+
 def test_chat_dataset_uses_template(tiny_models):
     tok = LLM(tiny_models["qwen3"], dtype="float32").get_tokenizer()
     reqs = chat_requests(4, tok, (5, 5), seed=1)

@@ -34,8 +34,10 @@ def run_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True) -
             "output_tokens_per_s": n_out / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed}
 
 
-def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int = 0) -> dict:
-    """One batch of identical shape, repeated: end-to-end latency, TTFT and TPOT per request."""
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int = 0,
+                temperature: float = 0.0) -> dict:
+    """One batch of identical shape, repeated: end-to-end latency, TTFT and TPOT per request. Tokens are
+    greedy at temperature 0, else sampled at that temperature."""
     e2e, ttft, tpot = [], [], []
     for i in range(warmup + iters):
         reqs = random_requests(batch_size, (input_len, input_len), (output_len, output_len), llm.engine.vocab_size,
@@ -43,7 +45,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
         llm.engine.reset_prefix_cache()  # each iteration computes its prompts afresh
         start = time.time()
         outs = llm.generate([r.prompt_ids for r in reqs],
-                            SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
+                            SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True),
+                            use_tqdm=False)
         end = time.time()
         if i < warmup:
             continue
@@ -54,7 +57,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
             if output_len > 1:
                 tpot.append((m.finished_time - m.first_token_time) / (output_len - 1))
     return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iters": iters,
-            "e2e_s": percentiles(e2e), "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
+            "temperature": temperature, "e2e_s": percentiles(e2e), "ttft_s": percentiles(ttft),
+            "tpot_s": percentiles(tpot)}
 
 
 def print_throughput(r: dict) -> None:
@@ -65,7 +69,8 @@ def print_throughput(r: dict) -> None:
 
 
 def print_latency(r: dict) -> None:
-    print(f"batch {r['batch_size']}, input {r['input_len']}, output {r['output_len']}, {r['iters']} iterations")
+    how = "greedy" if not r["temperature"] else f"sampled at temperature {r['temperature']:g}"
+    print(f"batch {r['batch_size']}, input {r['input_len']}, output {r['output_len']} ({how}), {r['iters']} iterations")
     for key, label in (("e2e_s", "end-to-end"), ("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
         s = r[key]
         print(f"{label:>11}: mean {s['mean'] * 1e3:9.2f} ms  p50 {s['p50'] * 1e3:9.2f}  p90 {s['p90'] * 1e3:9.2f}  "
