@@ -11,7 +11,7 @@ import torch
 from tests.conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.request import Request
-from tokenmill.sample.sampler import Sampler, apply_penalties
+from tokenmill.sample.sampler import Sampler, _nucleus_sorted, apply_penalties, filter_logits
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 20000
@@ -67,6 +67,36 @@ def test_sampling_distribution(kwargs):
     allowed = target > 0
     chi2 = N * np.sum((observed[allowed] - target[allowed]) ** 2 / target[allowed])
     assert chi2 < 24.3, (observed, target)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # nucleus: most of the vocabulary, ~1,000 tokens, a few
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (0, 0.5), (50, 1.0), (50, 0.8), (3000, 0.95)])
+@pytest.mark.parametrize("by_rows", [True, False], ids=["ranking-rows", "sorting-all"])
+def test_filter_keeps_the_nucleus_over_a_large_vocabulary(scale, top_k, top_p, by_rows):
+    """filter_logits on the CPU ranks only each row's highest logits, ranking more while the nucleus goes
+    on (and sorting the whole row where it spans much of it); on other devices it sorts all rows at once.
+    Either keeps the tokens the definition keeps (numpy, float64), their logits unchanged, except at
+    most a token or two whose probability ranked above them lies within float32 rounding of top_p."""
+    g = torch.Generator().manual_seed(int(scale * 10) + top_k)
+    logits = torch.randn(2, 20000, generator=g) * scale
+    if by_rows:
+        out = filter_logits(logits, [top_k] * 2, [top_p] * 2, [0.0] * 2)
+    else:
+        out = _nucleus_sorted(logits, [top_k] * 2, [top_p] * 2)
+    for row, o in zip(logits, out):
+        kept = torch.isfinite(o)
+        assert torch.equal(o[kept], row[kept])
+        z = row.double().numpy()
+        want = expected(z, top_k=top_k, top_p=top_p) > 0
+        order = np.argsort(-z, kind="stable")
+        p = np.exp(z - z.max())
+        if top_k:
+            p[order[top_k:]] = 0
+        p /= p.sum()
+        before = np.empty_like(p)
+        before[order] = np.cumsum(p[order]) - p[order]
+        differ = kept.numpy() != want
+        assert differ.sum() <= 2 and np.all(np.abs(before[differ] - top_p) < 1e-4), (differ.sum(), want.sum())
 
 
 def test_greedy_is_argmax():

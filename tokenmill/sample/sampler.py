@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tokenmill.engine.request import Request
@@ -49,26 +50,86 @@ def apply_bias_and_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None
                 logits[i, torch.tensor(banned, device=logits.device)] = _NEG_INF
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _nucleus(row: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ids one row keeps under top-k and top-p, and their logits.
+
+    Only the highest logits are ranked (torch.topk), not the whole vocabulary: the nucleus ends among the
+    first k where the probability ranked above a token reaches top_p; where it has not ended within them,
+    k grows. Under top-k the probabilities are those of the k tokens alone, renormalised. A nucleus that
+    spans a large part of the row is found from the sorted values alone (no sorted ids), and keeps every
+    token whose logit equals the last one kept."""
+    vocab = row.shape[-1]
+    k = min(top_k, vocab) if top_k > 0 else min(256, vocab)
+    while True:
+        if k == vocab and top_k <= 0:
+            values = _sorted_descending(row)
+            probs = (values - row.logsumexp(dim=-1)).exp()
+            kept = int(((probs.cumsum(dim=-1) - probs) < top_p).sum())
+            ids = (row >= values[max(kept, 1) - 1]).nonzero().squeeze(1)
+            return ids, row[ids]
+        values, ids = row.topk(k)  # descending
+        if top_p >= 1:
+            return ids, values
+        probs = values.softmax(dim=-1) if top_k > 0 else (values - row.logsumexp(dim=-1)).exp()
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        keep = (probs.cumsum(dim=-1) - probs) < top_p
+        keep[0] = True
+        if top_k > 0 or not bool(keep.all()):
+            return ids[keep], values[keep]
+        # The nucleus goes on past these k: rank 16 times as many, or more where their share of the mass
+        # suggests it (four times over, lower ranks carrying less each), or the whole row once that is a
+        # large part of it.
+        k = max(16 * k, int(4 * k * top_p / max(float(probs.sum()), 1e-9)))
+        k = vocab if 4 * k > vocab else k
+
+
+def _sorted_descending(row: torch.Tensor) -> torch.Tensor:
+    """A 1-D row's values, largest first (numpy's sort of values alone is ~3x torch's sort on the CPU,
+    which orders ids as well)."""
+    if row.device.type == "cpu" and row.dtype == torch.float32:
+        return torch.from_numpy(np.ascontiguousarray(np.sort(row.numpy())[::-1]))
+    return row.sort(descending=True).values
+
+
+def _nucleus_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """top-k and top-p for all rows at once by sorting each whole row: a few large kernels, the better
+    choice on a GPU, where a loop over rows would wait on the device at every step."""
+    vocab = logits.shape[-1]
+    dev = logits.device
+    k_limit = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
+    p_limit = torch.tensor(top_p, device=dev).unsqueeze(1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = torch.arange(vocab, device=dev).unsqueeze(0) >= k_limit
+    sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    remove |= ((probs.cumsum(dim=-1) - probs) >= p_limit) & (p_limit < 1)
+    remove[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(remove, _NEG_INF))
+
+
+def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Mask tokens outside top-k, outside the top-p nucleus, or below min_p x the top probability.
 
-    logits are already divided by the temperature; top_k 0 means no limit.
+    logits [rows, vocab] are already divided by the temperature; per row, top_k 0 means no limit. On
+    the CPU each row that needs it ranks only its highest logits (_nucleus); elsewhere whole rows are
+    sorted together.
     """
-    vocab = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-        remove = ranks >= k
-        sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        remove |= ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-        remove[:, 0] = False
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, _NEG_INF))
-    if bool((min_p > 0).any()):
+    rows = [i for i in range(logits.shape[0]) if top_k[i] > 0 or top_p[i] < 1]
+    if rows and logits.device.type != "cpu":
+        logits = _nucleus_sorted(logits, top_k, top_p)
+    elif rows:
+        kept = torch.full_like(logits, _NEG_INF)
+        for i in range(logits.shape[0]):
+            if i in rows:
+                ids, values = _nucleus(logits[i], top_k[i], top_p[i])
+                kept[i, ids] = values
+            else:
+                kept[i] = logits[i]
+        logits = kept
+    if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        threshold = torch.tensor(min_p, device=logits.device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
     return logits
 
@@ -104,12 +165,8 @@ class Sampler:
             sub = logits[random_rows]
             params = [reqs[i].sampling_params for i in random_rows]
             temp = torch.tensor([p.temperature for p in params], device=sub.device).unsqueeze(1)
-            sub = filter_logits(
-                sub / temp,
-                torch.tensor([p.top_k for p in params], device=sub.device),
-                torch.tensor([p.top_p for p in params], device=sub.device),
-                torch.tensor([p.min_p for p in params], device=sub.device),
-            )
+            sub = filter_logits(sub / temp, [p.top_k for p in params], [p.top_p for p in params],
+                                [p.min_p for p in params])
             tokens[random_rows] = self._draw(sub.softmax(dim=-1), [reqs[i] for i in random_rows])
 
         token_list = tokens.tolist()
