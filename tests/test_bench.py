@@ -24,19 +24,19 @@ def test_offline_throughput_and_latency_count_tokens(tiny_models):
 
 
 def test_latency_samples_at_the_temperature_asked(tiny_models):
-    """bench latency --temperature: the batch's tokens are drawn at that temperature (the sampler sees
-    it), not chosen greedily."""
+    """bench latency --temperature --top-p: the batch's tokens are drawn at that temperature and nucleus
+    (the sampler sees them), not chosen greedily."""
     llm = LLM(tiny_models["llama"], dtype="float32")
     runner = llm.engine.runner
     real, seen = runner.sampler, []
 
     def spy(logits, reqs):
-        seen.extend(r.sampling_params.temperature for r in reqs)
+        seen.extend((r.sampling_params.temperature, r.sampling_params.top_p) for r in reqs)
         return real(logits, reqs)
 
     runner.sampler = spy
-    lat = run_latency(llm, batch_size=2, input_len=6, output_len=4, iters=1, warmup=0, temperature=0.7)
-    assert lat["temperature"] == 0.7 and len(seen) == 2 * 4 and set(seen) == {0.7}
+    lat = run_latency(llm, batch_size=2, input_len=6, output_len=4, iters=1, warmup=0, temperature=0.7, top_p=0.9)
+    assert lat["temperature"] == 0.7 and len(seen) == 2 * 4 and set(seen) == {(0.7, 0.9)}
 
 
 def test_chat_dataset_uses_template(tiny_models):

@@ -35,6 +35,7 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy tokens; above 0: sampled")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled tokens, in (0, 1]")
     p.add_argument("--json", default=None)
     p.set_defaults(func=lambda a: _latency(a, engine_kwargs))
 
@@ -95,11 +96,11 @@ def _throughput(args, engine_kwargs) -> int:
 def _latency(args, engine_kwargs) -> int:
     from tokenmill.bench.offline import print_latency, run_latency
 
-    if args.temperature < 0:
-        raise SystemExit("--temperature must be 0 or more")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("--temperature must be 0 or more, --top-p in (0, 1]")
     llm = _llm(args, engine_kwargs)
     result = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.iters, args.warmup,
-                         temperature=args.temperature)
+                         temperature=args.temperature, top_p=args.top_p)
     print_latency(result)
     write_json(args.json, result)
     return 0

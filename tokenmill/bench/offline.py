@@ -35,9 +35,9 @@ def run_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True) -
 
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int = 0,
-                temperature: float = 0.0) -> dict:
+                temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """One batch of identical shape, repeated: end-to-end latency, TTFT and TPOT per request. Tokens are
-    greedy at temperature 0, else sampled at that temperature."""
+    greedy at temperature 0, else sampled at that temperature (from the top_p nucleus)."""
     e2e, ttft, tpot = [], [], []
     for i in range(warmup + iters):
         reqs = random_requests(batch_size, (input_len, input_len), (output_len, output_len), llm.engine.vocab_size,
@@ -45,7 +45,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
         llm.engine.reset_prefix_cache()  # each iteration computes its prompts afresh
         start = time.time()
         outs = llm.generate([r.prompt_ids for r in reqs],
-                            SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True),
+                            SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len,
+                                           ignore_eos=True),
                             use_tqdm=False)
         end = time.time()
         if i < warmup:
@@ -57,7 +58,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
             if output_len > 1:
                 tpot.append((m.finished_time - m.first_token_time) / (output_len - 1))
     return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iters": iters,
-            "temperature": temperature, "e2e_s": percentiles(e2e), "ttft_s": percentiles(ttft),
+            "temperature": temperature, "top_p": top_p, "e2e_s": percentiles(e2e), "ttft_s": percentiles(ttft),
             "tpot_s": percentiles(tpot)}
 
 
@@ -69,7 +70,7 @@ def print_throughput(r: dict) -> None:
 
 
 def print_latency(r: dict) -> None:
-    how = "greedy" if not r["temperature"] else f"sampled at temperature {r['temperature']:g}"
+    how = "greedy" if not r["temperature"] else f"sampled at temperature {r['temperature']:g}, top_p {r['top_p']:g}"
     print(f"batch {r['batch_size']}, input {r['input_len']}, output {r['output_len']} ({how}), {r['iters']} iterations")
     for key, label in (("e2e_s", "end-to-end"), ("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
         s = r[key]
