@@ -115,7 +115,7 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     the CPU each row that needs it ranks only its highest logits (_nucleus); elsewhere whole rows are
     sorted together.
     """
-    rows = [i for i in range(logits.shape[0]) if top_k[i] > 0 or top_p[i] < 1]
+    rows = {i for i in range(logits.shape[0]) if top_k[i] > 0 or top_p[i] < 1}
     if rows and logits.device.type != "cpu":
         logits = _nucleus_sorted(logits, top_k, top_p)
     elif rows:
