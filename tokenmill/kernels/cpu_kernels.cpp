@@ -23,7 +23,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -744,10 +743,9 @@ class FusedDecoder {
     const Step& s = in.step;
     auto out = torch::empty_like(in.x);
     if (runs_in_team(s.B)) {
-      const int threads = (int)team_size();
-      plan_streams(threads, s.hidden);
+      const int threads = team_threads();
       TeamBuffers buf(*this, s.B, threads);
-      AttentionPlan plan(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+      AttentionPlan plan = attention_plan(s, threads);
       run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
         Walks walks(streams_[n][w], s.B, false);
         ThreadState ts(D_);
@@ -781,7 +779,7 @@ class FusedDecoder {
                 block_tables.size(0) == B, "batch mismatch");
     int64_t done = 0;
     if (runs_in_team(B)) {
-      done = greedy_team(burst, block_tables.to(torch::kLong).contiguous(), steps);
+      done = greedy_team(burst, block_tables, steps);
     } else {
       while (done < steps) {
         const auto logits = linear_bf16(forward(burst.ids, burst.pos, burst.slots[done], block_tables, burst.lens),
@@ -808,10 +806,9 @@ class FusedDecoder {
     const Step& s = in.step;
     auto head = lm_head.contiguous();
     auto out = torch::empty({s.B, head.size(0)}, in.x.options());
-    const int threads = (int)team_size();
-    plan_streams(threads, s.hidden);
+    const int threads = team_threads();
     TeamBuffers buf(*this, s.B, threads);
-    AttentionPlan plan(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+    AttentionPlan plan = attention_plan(s, threads);
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n, head);
       Walks walks(stream, s.B, false);
@@ -905,6 +902,18 @@ class FusedDecoder {
   // Whether a batch of B requests runs in one parallel region (the GEMV kernel's shapes).
   bool runs_in_team(int64_t B) const {
     return B <= kMaxGemvRows && embed_.size(1) % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
+  }
+
+  // The threads a parallel region asks for, with their weight streams planned.
+  int team_threads() {
+    const int threads = (int)team_size();
+    plan_streams(threads, embed_.size(1));
+    return threads;
+  }
+
+  // How the attention of the step's requests splits over the threads.
+  AttentionPlan attention_plan(const Step& s, int threads) const {
+    return AttentionPlan(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
   }
 
   // Request b's new q, k, v (one row of the qkv projection): q/k norms where the model has them, rotary
@@ -1035,16 +1044,15 @@ class FusedDecoder {
   // Each thread takes the largest logit of its rows (bf16-rounded, as linear_bf16 leaves them; first
   // index on ties, the first NaN if any, as argmax_row), and one thread combines them in row order,
   // which gives the whole row's argmax. Returns the number of steps done.
-  int64_t greedy_team(Burst& burst, const torch::Tensor& bt, int64_t steps) {
-    const int64_t B = burst.ids.size(0), hidden = embed_.size(1), V = burst.lm_head.size(0);
-    const int threads = (int)team_size();
-    plan_streams(threads, hidden);
-    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
-    auto x = torch::empty({B, hidden}, opts);
-    auto cos = torch::empty({B, D_}, opts), sin = torch::empty({B, D_}, opts);
+  int64_t greedy_team(Burst& burst, const torch::Tensor& block_tables, int64_t steps) {
+    const int64_t B = burst.ids.size(0), V = burst.lm_head.size(0);
+    if (steps == 0) return 0;
+    StepInputs in = prepare(burst.ids, burst.pos, burst.slots[0], block_tables, burst.lens);  // the first step's
+    Step& s = in.step;
+    s.lens = burst.lens.data_ptr<int64_t>();  // the lengths take() advances
     const int64_t* all_slots = burst.slots.data_ptr<int64_t>();
-    Step s{B, hidden, all_slots, bt.data_ptr<int64_t>(), bt.size(1), burst.lens.data_ptr<int64_t>(),
-           bits_mut(cos), bits_mut(sin)};
+    uint16_t* x = bits_mut(in.x);
+    const int threads = team_threads();
     TeamBuffers buf(*this, B, threads);
     std::vector<uint16_t> logits(B * V);
     struct Best {
@@ -1057,22 +1065,21 @@ class FusedDecoder {
     TORCH_CHECK(V <= embed_.size(0), "lm_head has more rows than the embedding");
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(burst.pos.data_ptr<int64_t>()[b] + steps <= cos_.size(0), "position beyond the rotary table");
-    std::optional<AttentionPlan> plan;
+    AttentionPlan plan = attention_plan(s, threads);
     int64_t done = 0;
-    bool more = steps > 0;
+    bool more = true;
     auto next_step = [&] {  // on one thread, while the others wait
       s.slot = all_slots + done * B;
-      begin_step(s, burst.ids.data_ptr<int64_t>(), burst.pos.data_ptr<int64_t>(), bits_mut(x));
-      plan.emplace(s.bt, s.lens, B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+      begin_step(s, burst.ids.data_ptr<int64_t>(), burst.pos.data_ptr<int64_t>(), x);
+      plan = attention_plan(s, threads);
     };
-    if (more) next_step();
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n, burst.lm_head);
       Walks walks(stream, B, true);
       ThreadState ts(D_);
       while (more) {
-        team_layers(s, *plan, buf, bits_mut(x), w, n, barrier, walks, ts);
-        const auto [v0, v1] = team_logits(bits(x), B, burst.lm_head, w, n, buf, logits.data(), walks);
+        team_layers(s, plan, buf, x, w, n, barrier, walks, ts);
+        const auto [v0, v1] = team_logits(x, B, burst.lm_head, w, n, buf, logits.data(), walks);
         for (int64_t b = 0; b < B; ++b) {
           const bf16* row = reinterpret_cast<const bf16*>(logits.data()) + b * V;
           const int64_t i = v1 > v0 ? v0 + argmax_row(row + v0, v1 - v0) : -1;

@@ -119,14 +119,11 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     if rows and logits.device.type != "cpu":
         logits = _nucleus_sorted(logits, top_k, top_p)
     elif rows:
-        kept = torch.full_like(logits, _NEG_INF)
-        for i in range(logits.shape[0]):
-            if i in rows:
-                ids, values = _nucleus(logits[i], top_k[i], top_p[i])
-                kept[i, ids] = values
-            else:
-                kept[i] = logits[i]
-        logits = kept
+        logits = logits.clone()
+        for i in rows:
+            ids, values = _nucleus(logits[i], top_k[i], top_p[i])
+            logits[i] = _NEG_INF
+            logits[i, ids] = values
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
         threshold = torch.tensor(min_p, device=logits.device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
