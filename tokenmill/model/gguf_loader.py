@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.model import gguf_tokenizer
+
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -185,40 +187,6 @@ def iter_weights(reader, config: dict):
         yield hf, torch.from_numpy(arr)
 
 
-def build_tokenizer(reader):
-    """A transformers fast tokenizer built from the GGUF's tokenizer metadata."""
-    from transformers import PreTrainedTokenizerFast
-
-    model = reader.fields.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        return None  # other vocabularies go through transformers' own GGUF conversion
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    tokens = list(reader.fields.get("tokenizer.ggml.tokens"))
-    types = list(reader.fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in reader.fields.get("tokenizer.ggml.merges")]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    # Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
-    specials = [AddedToken(tokens[i], special=types[i] == 3, normalized=False) for i in range(len(tokens))
-                if types[i] in (3, 4)]
-    tok.add_tokens(specials)
-
-    def tok_of(key):
-        i = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    bos = tok_of("bos")
-    if reader.fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=tok_of("eos"),
-                                 unk_token=tok_of("unknown"), pad_token=tok_of("padding"))
-    template = reader.fields.get("tokenizer.chat_template")
-    if template:
-        hf.chat_template = template
-    return hf
+def build_tokenizer(reader: GGUFFile):
+    """A transformers fast tokenizer from the GGUF's tokenizer metadata; None where transformers must build it."""
+    return gguf_tokenizer.build_tokenizer(reader.fields)
