@@ -145,3 +145,107 @@ def test_argmax_matches_torch():
     for n in (1, 15, 16, 17):
         y = torch.randn(3, n, generator=g)
         assert torch.equal(kernel.argmax_rows(y), y.argmax(dim=-1))
+
+
+# ------------------------------------------------------------------ bounds at the kernels' boundary
+
+def test_paged_decode_attention_refuses_block_tables_outside_the_cache():
+    """Block ids past the cache, negative ones, and lengths past the block table raise instead of reading
+    foreign memory; columns past a request's length are padding and are not looked at."""
+    bs = 4
+    q, k_cache, v_cache, bt, lens = _random_requests([6, 9], 4, 2, 16, bs, torch.float32, seed=3)
+    blocks = k_cache.shape[0] // bs
+    scale = 16 ** -0.5
+
+    def run(bt=bt, lens=lens):
+        return kernel.paged_decode_attention(q, k_cache, v_cache, bt, lens, bs, scale, 0)
+
+    ok = run()
+    padded = torch.cat([bt, torch.full((2, 1), 10 ** 9)], dim=1)
+    padded[0, 2] = -5  # request 0 (6 tokens) uses two blocks: column 2 is padding
+    assert torch.equal(run(bt=padded), ok)
+    for column, bad in ((1, blocks), (0, -1)):
+        table = bt.clone()
+        table[1, column] = bad
+        with pytest.raises(RuntimeError, match=f"block id {bad} .* outside the KV cache"):
+            run(bt=table)
+    for bad_len, message in ((bt.shape[1] * bs + 1, "is not covered"), (0, "is below 1")):
+        with pytest.raises(RuntimeError, match=f"sequence length {bad_len} {message}"):
+            run(lens=torch.tensor([6, bad_len]))
+    with pytest.raises(RuntimeError, match="must match q's batch"):
+        run(lens=lens[:1])
+
+
+def _tiny_fused_decoder(num_layers=2, cache_slots=64, block_size=4, positions=32, vocab=50):
+    """A FusedDecoder over random bf16 weights (4 heads, 2 KV heads of 16, hidden 64), its caches and an
+    output layer."""
+    g = torch.Generator().manual_seed(0)
+    h, kvh, d, hidden, inter = 4, 2, 16, 64, 128
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.1).bfloat16()
+
+    angles = torch.arange(positions)[:, None] * torch.rand(d // 2, generator=g)[None]
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    ones = torch.ones(hidden).bfloat16()
+    dec = kernel.FusedDecoder(h, kvh, d, inter, 1e-6, d ** -0.5, block_size, ones, rand(vocab, hidden), cos, sin)
+    caches = []
+    for i in range(num_layers):
+        kc, vc = (torch.zeros(cache_slots, kvh, d).bfloat16() for _ in range(2))
+        dec.add_layer(ones, rand((h + 2 * kvh) * d, hidden), None, None, None, rand(hidden, h * d), None, ones,
+                      rand(2 * inter, hidden), None, rand(hidden, inter), None, kc, vc, 5 * i)
+        caches += [kc, vc]
+    return dec, caches, rand(vocab, hidden)
+
+
+def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
+    """Each bookkeeping error a step can carry (a slot past the cache, a block id past it, a length past
+    the block table, a position past the rotary table, a token past the vocabulary) raises before the
+    step writes anything, in each entry point; the decoder then runs valid steps as before."""
+    dec, caches, head = _tiny_fused_decoder()
+    # Request 0: 6 tokens in blocks 0, 1 (column 2 padding); request 1: 10 tokens in blocks 2, 3, 4.
+    good = dict(ids=torch.tensor([3, 7]), pos=torch.tensor([5, 9]), slots=torch.tensor([5, 17]),
+                bt=torch.tensor([[0, 1, 0], [2, 3, 4]]), lens=torch.tensor([6, 10]))
+
+    def with_(**change):
+        step = {k: v.clone() for k, v in good.items()}
+        for k, (index, value) in change.items():
+            step[k][index] = value
+        return step
+
+    bad_steps = {
+        "cache slot 64 is outside the KV cache": with_(slots=(1, 64)),
+        "cache slot -1 is outside the KV cache": with_(slots=(0, -1)),
+        "block id 16 at block table column 1 is outside": with_(bt=((0, 1), 16)),
+        "block id -3 at block table column 2 is outside": with_(bt=((1, 2), -3)),
+        "sequence length 13 is not covered": with_(lens=(1, 13)),
+        "sequence length 0 is below 1": with_(lens=(0, 0)),
+        "position beyond the rotary table": with_(pos=(1, 32)),
+        "token id out of range": with_(ids=(0, 50)),
+    }
+    entry_points = {
+        "forward": lambda s: dec.forward(s["ids"], s["pos"], s["slots"], s["bt"], s["lens"]),
+        "logits": lambda s: dec.logits(s["ids"], s["pos"], s["slots"], s["bt"], s["lens"], head),
+        "decode_greedy": lambda s: dec.decode_greedy(s["ids"], s["pos"], s["slots"][None], s["bt"], s["lens"],
+                                                     head, [[], []], None),
+    }
+    padded = with_(bt=((0, 2), 10 ** 9))  # a column past request 0's length is never read
+    want = entry_points["forward"](good)
+    assert torch.equal(entry_points["forward"](padded), want)
+    before = [c.clone() for c in caches]
+    for name, run in entry_points.items():
+        for message, step in bad_steps.items():
+            with pytest.raises(RuntimeError, match=message):
+                run(step)
+    # A burst: every step's slots, and the lengths its last step reaches, are checked before it starts.
+    burst = dict(good, slots=torch.tensor([[5, 17], [6, 18], [64, 19]]))
+    with pytest.raises(RuntimeError, match="cache slot 64"):
+        dec.decode_greedy(burst["ids"], burst["pos"], burst["slots"], burst["bt"], burst["lens"], head, [[], []],
+                          None)
+    slots = torch.tensor([[5, 17], [6, 18], [7, 19]])
+    with pytest.raises(RuntimeError, match="sequence length 13 is not covered"):
+        dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], torch.tensor([6, 11]), head, [[], []], None)
+    assert all(torch.equal(b, c) for b, c in zip(before, caches)), "a refused step wrote to the cache"
+    assert torch.equal(entry_points["forward"](good), want)
+    tokens = dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], good["lens"], head, [[], []], None)
+    assert tokens.shape == (3, 2)

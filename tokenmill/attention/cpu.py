@@ -33,22 +33,27 @@ class TorchSDPABackend(AttentionBackend):
             return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                                   meta.block_size, scale, window or 0)
         # Portable path: gather each request's keys and values, then two batched matmuls.
-        if "decode_slots" not in meta.cache:  # the same for every layer: built once per step
-            bt, bs = meta.decode_block_tables, meta.block_size
-            slots = (bt.unsqueeze(-1) * bs + torch.arange(bs, device=bt.device)).reshape(bt.shape[0], -1)
+        # Built once per step and reused by every layer; the mask once per distinct window.
+        bt, bs = meta.decode_block_tables, meta.block_size
+        if "decode_slots" not in meta.cache:
+            slots = bt.unsqueeze(-1) * bs + torch.arange(bs, device=bt.device)
+            meta.cache["decode_slots"] = slots.reshape(bt.shape[0], -1)
+        slots = meta.cache["decode_slots"]
+        mask_key = ("decode_masked", window)
+        if mask_key not in meta.cache:
             pos = torch.arange(slots.shape[1], device=bt.device)
             lens = meta.decode_seq_lens.unsqueeze(1)
             masked = pos >= lens
             if window is not None:
                 masked |= pos < lens - window
-            meta.cache["decode_slots"], meta.cache["decode_masked"] = slots, masked[:, None, None, :]
+            meta.cache[mask_key] = masked[:, None, None, :]
         b, h, d = q.shape
-        keys = k_cache[meta.cache["decode_slots"]]  # [B, L, KVH, D]
-        values = v_cache[meta.cache["decode_slots"]]
+        keys = k_cache[slots]  # [B, L, KVH, D]
+        values = v_cache[slots]
         kvh = keys.shape[2]
         qg = q.view(b, kvh, h // kvh, d)  # query heads grouped by the KV head they share
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, KVH, G, L]
-        scores.masked_fill_(meta.cache["decode_masked"], float("-inf"))
+        scores.masked_fill_(meta.cache[mask_key], float("-inf"))
         probs = scores.softmax(dim=-1).to(values.dtype)
         return torch.matmul(probs, values.transpose(1, 2)).reshape(b, h, d)
 

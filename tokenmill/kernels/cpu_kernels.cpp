@@ -11,6 +11,7 @@
 // Every entry point releases the GIL: the server's event loop keeps running while a step computes.
 
 #include <torch/extension.h>
+#include <pybind11/functional.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -24,6 +25,8 @@
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <exception>
+#include <functional>
 #include <chrono>
 #include <thread>
 #include <type_traits>
@@ -418,8 +421,8 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
 // into as many ranges as it takes for the parts to come out even over the threads, while ranges stay
 // kMinChunk tokens or longer; where that still leaves fewer parts than threads (one short request),
 // parts go per KV head instead. Parts are then merged per query head: with M the largest m,
-// out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. The plan depends only on the context lengths,
-// so a decode step makes it once for all its layers.
+// out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. The plan depends only on the context lengths
+// and the window, so a decode step makes it once for all its layers of one window.
 struct AttentionPlan {
   int64_t B, H, KVH, D, G, nb, bs, window, head_groups, heads_per_group, chunks = 1, parts, per_part;
   float scale;
@@ -697,24 +700,48 @@ c10::optional<torch::Tensor> opt(const c10::optional<torch::Tensor>& t) {
   return c10::nullopt;
 }
 
-// One decoder layer's weights (bf16, contiguous) and its slice of the KV cache.
+// One decoder layer's weights (bf16, contiguous), its slice of the KV cache and its attention window.
 struct LayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache;
   c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
+  int64_t window;  // the last `window` tokens; 0: all of them
 };
+
+// Refuses block tables that would take attention outside the cache: each request's context, `grow`
+// tokens longer than seq_lens says (the last step of a burst), must be covered by its row of the table,
+// and the blocks it covers must lie among the cache's `blocks`. The kernels index the cache by these
+// numbers unchecked, so a bookkeeping error elsewhere would otherwise read or write foreign memory.
+void check_block_tables(const int64_t* bt, const int64_t* lens, int64_t B, int64_t nb, int64_t bs, int64_t blocks,
+                        int64_t grow) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens[b], last = len + grow;
+    TORCH_CHECK(len >= 1, "request ", b, ": sequence length ", len, " is below 1");
+    TORCH_CHECK(last <= nb * bs, "request ", b, ": sequence length ", last, " is not covered by its block table (",
+                nb, " blocks of ", bs, " tokens)");
+    for (int64_t j = 0; j < (last + bs - 1) / bs; ++j) {
+      const int64_t id = bt[b * nb + j];
+      TORCH_CHECK(id >= 0 && id < blocks, "request ", b, ": block id ", id, " at block table column ", j,
+                  " is outside the KV cache (", blocks, " blocks)");
+    }
+  }
+}
+
+// Called with a burst step's tokens; returns whether the burst goes on.
+using StepCallback = std::function<bool(const std::vector<int64_t>&)>;
 
 class FusedDecoder {
  public:
   // embed [vocab, hidden] bf16: the token embedding; cos, sin [positions, head_dim] float32: the rotary
   // tables (rounded to bf16 as the eager model rounds them).
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scale, int64_t window, int64_t block_size, torch::Tensor final_norm, torch::Tensor embed,
+               double scale, int64_t block_size, torch::Tensor final_norm, torch::Tensor embed,
                torch::Tensor cos, torch::Tensor sin)
       : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps),
-        scale_((float)scale), window_(window), bs_(block_size), final_norm_(final_norm.contiguous()),
+        scale_((float)scale), bs_(block_size), final_norm_(final_norm.contiguous()),
         embed_(embed.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()) {
     TORCH_CHECK(D_ % 16 == 0 && D_ <= 128, "head_dim must be a multiple of 16, at most 128");
     TORCH_CHECK(H_ % KVH_ == 0, "heads must be a multiple of KV heads");
+    TORCH_CHECK(bs_ >= 1, "block_size must be at least 1");
     TORCH_CHECK(embed_.scalar_type() == torch::kBFloat16 && embed_.dim() == 2, "embed: bf16 [vocab, hidden]");
     TORCH_CHECK(cos_.scalar_type() == torch::kFloat && cos_.sizes() == sin_.sizes() && cos_.size(1) == D_,
                 "cos, sin: float32 [positions, head_dim]");
@@ -724,13 +751,17 @@ class FusedDecoder {
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, torch::Tensor o,
                  c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, torch::Tensor gate_up,
                  c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                 c10::optional<torch::Tensor> down_bias, torch::Tensor k_cache, torch::Tensor v_cache) {
+                 c10::optional<torch::Tensor> down_bias, torch::Tensor k_cache, torch::Tensor v_cache,
+                 int64_t window) {
     for (const auto* t : {&input_norm, &qkv, &o, &post_norm, &gate_up, &down, &k_cache, &v_cache})
       TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous(), "bf16 contiguous tensors expected");
     TORCH_CHECK(qkv.size(0) == (H_ + 2 * KVH_) * D_ && k_cache.size(1) == KVH_ && k_cache.size(2) == D_,
                 "layer shapes do not match the decoder's heads");
+    TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "k_cache, v_cache: [slots, KV heads, head_dim]");
+    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+    cache_slots_ = layers_.empty() ? k_cache.size(0) : std::min(cache_slots_, k_cache.size(0));
     layers_.push_back({input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache, opt(qkv_bias),
-                       opt(o_bias), opt(gate_up_bias), opt(down_bias), opt(q_norm), opt(k_norm)});
+                       opt(o_bias), opt(gate_up_bias), opt(down_bias), opt(q_norm), opt(k_norm), window});
     streams_.clear();
   }
 
@@ -745,7 +776,7 @@ class FusedDecoder {
     if (runs_in_team(s.B)) {
       const int threads = team_threads();
       TeamBuffers buf(*this, s.B, threads);
-      AttentionPlan plan = attention_plan(s, threads);
+      StepPlans plan = attention_plan(s, threads);
       run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
         Walks walks(streams_[n][w], s.B, false);
         ThreadState ts(D_);
@@ -764,19 +795,23 @@ class FusedDecoder {
   // lm_head^T [vocab, hidden] in bf16, as linear_bf16 and argmax_rows compute them for the sampler) as
   // its next input. The call ends early after a step in which every request has produced one of its
   // stop_ids, or once interrupt() has been called (from any thread; the step running completes).
+  // on_step, where given, is called with each step's tokens as soon as the step is done, on the calling
+  // thread (so it may run Python) while the others wait; it returns whether the burst goes on.
   // Returns the tokens [steps done, B].
   torch::Tensor decode_greedy(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor lm_head,
-                              std::vector<std::vector<int64_t>> stop_ids) {
+                              std::vector<std::vector<int64_t>> stop_ids, StepCallback on_step) {
     const int64_t B = input_ids.size(0), steps = slots.size(0);
     TORCH_CHECK(slots.dim() == 2 && slots.size(1) == B && (int64_t)stop_ids.size() == B, "slots: [steps, batch]");
     TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
                 "lm_head: bf16 [vocab, hidden]");
     Burst burst{input_ids.to(torch::kLong).clone(), positions.to(torch::kLong).clone(),
                 seq_lens.to(torch::kLong).clone(), slots.to(torch::kLong).contiguous(), lm_head.contiguous(),
-                torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false)};
+                torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false),
+                std::move(on_step)};
     TORCH_CHECK(burst.ids.size(0) == B && burst.pos.size(0) == B && burst.lens.size(0) == B &&
                 block_tables.size(0) == B, "batch mismatch");
+    check_bounds(burst.slots, block_tables, burst.lens, std::max<int64_t>(steps - 1, 0));
     int64_t done = 0;
     if (runs_in_team(B)) {
       done = greedy_team(burst, block_tables, steps);
@@ -787,7 +822,9 @@ class FusedDecoder {
         const bf16* rows = logits.data_ptr<bf16>();
         const int64_t V = logits.size(1);
         for (int64_t b = 0; b < B; ++b) burst.take(done, b, argmax_row(rows + b * V, V));
-        if (!burst.go_on(++done, steps, interrupted_.load())) break;
+        const bool wanted = burst.report(done);
+        burst.rethrow();
+        if (!burst.go_on(++done, steps, interrupted_.load()) || !wanted) break;
       }
     }
     return burst.tokens.slice(0, 0, done);
@@ -808,7 +845,7 @@ class FusedDecoder {
     auto out = torch::empty({s.B, head.size(0)}, in.x.options());
     const int threads = team_threads();
     TeamBuffers buf(*this, s.B, threads);
-    AttentionPlan plan = attention_plan(s, threads);
+    StepPlans plan = attention_plan(s, threads);
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n, head);
       Walks walks(stream, s.B, false);
@@ -854,6 +891,8 @@ class FusedDecoder {
     const int64_t B = in.ids.size(0), hidden = embed_.size(1);
     TORCH_CHECK(in.pos.size(0) == B && in.slot.size(0) == B && in.bt.size(0) == B && in.lens.size(0) == B,
                 "batch mismatch");
+    TORCH_CHECK(in.bt.dim() == 2, "block_tables: [batch, blocks]");
+    check_bounds(in.slot, in.bt, in.lens, 0);
     const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
     in.x = torch::empty({B, hidden}, opts);
     in.cos = torch::empty({B, D_}, opts);
@@ -885,6 +924,23 @@ class FusedDecoder {
     torch::Tensor ids, pos, lens, slots, lm_head, tokens;
     std::vector<std::vector<int64_t>> stop_ids;
     std::vector<bool> stopped;
+    StepCallback on_step;
+    std::exception_ptr error;  // what on_step threw, rethrown once no thread waits at a barrier
+    // Hands step `step`'s tokens to on_step; whether the caller wants more steps. Never throws.
+    bool report(int64_t step) {
+      if (!on_step) return true;
+      const int64_t B = ids.size(0);
+      const int64_t* row = tokens.data_ptr<int64_t>() + step * B;
+      try {
+        return on_step(std::vector<int64_t>(row, row + B));
+      } catch (...) {
+        error = std::current_exception();
+        return false;
+      }
+    }
+    void rethrow() const {
+      if (error) std::rethrow_exception(error);
+    }
     // Request b's token of step `step`: recorded, and its next input.
     void take(int64_t step, int64_t b, int64_t t) {
       const int64_t B = ids.size(0);
@@ -911,9 +967,46 @@ class FusedDecoder {
     return threads;
   }
 
-  // How the attention of the step's requests splits over the threads.
-  AttentionPlan attention_plan(const Step& s, int threads) const {
-    return AttentionPlan(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window_, threads);
+  // The attention plans of a step: one per distinct window among the layers, and the one each layer uses.
+  struct StepPlans {
+    std::vector<AttentionPlan> plans;
+    std::vector<size_t> of_layer;
+    AttentionPlan& operator[](size_t layer) { return plans[of_layer[layer]]; }
+  };
+
+  // How the attention of the step's requests splits over the threads, per layer. A window that no
+  // request's context exceeds selects every token, as no window does, so the two share a plan.
+  StepPlans attention_plan(const Step& s, int threads) const {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < s.B; ++b) longest = std::max(longest, s.lens[b]);
+    StepPlans p;
+    std::vector<int64_t> windows;
+    for (const auto& L : layers_) {
+      const int64_t window = L.window < longest ? L.window : 0;
+      size_t i = std::find(windows.begin(), windows.end(), window) - windows.begin();
+      if (i == windows.size()) {
+        windows.push_back(window);
+        p.plans.emplace_back(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window, threads);
+      }
+      p.of_layer.push_back(i);
+    }
+    return p;
+  }
+
+  // Refuses a step, or a burst whose lengths grow by `grow` tokens after its first step, whose slots
+  // (every entry of `slots`) or block tables lie outside the KV cache (see check_block_tables).
+  void check_bounds(const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                    int64_t grow) const {
+    TORCH_CHECK(!layers_.empty(), "the decoder has no layers");
+    const auto slot = slots.to(torch::kLong).contiguous();
+    const auto bt = block_tables.to(torch::kLong).contiguous();
+    const auto lens = seq_lens.to(torch::kLong).contiguous();
+    const int64_t* sp = slot.data_ptr<int64_t>();
+    for (int64_t i = 0; i < slot.numel(); ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < cache_slots_, "cache slot ", sp[i], " is outside the KV cache (",
+                  cache_slots_, " slots)");
+    check_block_tables(bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), lens.size(0), bt.size(1), bs_,
+                       cache_slots_ / bs_, grow);
   }
 
   // Request b's new q, k, v (one row of the qkv projection): q/k norms where the model has them, rotary
@@ -975,7 +1068,7 @@ class FusedDecoder {
   // (the whole qkv row, all heads' attention, the full residual) wait at a barrier. The small
   // element-wise pieces between projections run on every thread or are split by request.
   // This is thread w of n's part of the decoder layers, on the residual stream xp [B, hidden].
-  void team_layers(const Step& s, AttentionPlan& plan, TeamBuffers& buf, uint16_t* xp, int w, int n,
+  void team_layers(const Step& s, StepPlans& plans, TeamBuffers& buf, uint16_t* xp, int w, int n,
                    SpinBarrier& barrier, Walks& walks, ThreadState& ts) {
     const int64_t B = s.B, hidden = s.hidden, QS = H_ * D_, KVS = KVH_ * D_, QKV = QS + 2 * KVS;
     auto bias = [](const c10::optional<torch::Tensor>& t) { return t ? bits(*t) : nullptr; };
@@ -988,7 +1081,9 @@ class FusedDecoder {
     const auto [i0, i1] = share(I_, w, n);
     const int64_t j0 = B * H_ * w / n, j1 = B * H_ * (w + 1) / n;
     uint16_t *qkv = buf.qkv.data(), *gu = buf.gu.data(), *act = buf.act.data();
-    for (const auto& L : layers_) {
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const LayerWeights& L = layers_[li];
+      AttentionPlan& plan = plans[li];
       const bf16* kc = L.k_cache.data_ptr<bf16>();
       const bf16* vc = L.v_cache.data_ptr<bf16>();
       rms_norm_rows(xp, bits(L.input_norm), h, B, hidden, eps_);
@@ -1065,7 +1160,7 @@ class FusedDecoder {
     TORCH_CHECK(V <= embed_.size(0), "lm_head has more rows than the embedding");
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(burst.pos.data_ptr<int64_t>()[b] + steps <= cos_.size(0), "position beyond the rotary table");
-    AttentionPlan plan = attention_plan(s, threads);
+    StepPlans plan = attention_plan(s, threads);
     int64_t done = 0;
     bool more = true;
     auto next_step = [&] {  // on one thread, while the others wait
@@ -1073,7 +1168,10 @@ class FusedDecoder {
       begin_step(s, burst.ids.data_ptr<int64_t>(), burst.pos.data_ptr<int64_t>(), x);
       plan = attention_plan(s, threads);
     };
+    // The caller's thread combines each step and reports it: a callback into Python must run there.
+    std::atomic<int> lead{0};
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
+      if (at::get_thread_num() == 0) lead.store(w);  // read only after the step's first barrier
       const auto stream = stream_with_head(w, n, burst.lm_head);
       Walks walks(stream, B, true);
       ThreadState ts(D_);
@@ -1086,7 +1184,7 @@ class FusedDecoder {
           best[w * B + b] = {i, i >= 0 ? static_cast<float>(row[i]) : 0.f};
         }
         barrier.wait(n);
-        if (w == 0) {
+        if (w == lead.load()) {
           for (int64_t b = 0; b < B; ++b) {
             int64_t pick = -1;
             float top = 0.f;
@@ -1101,12 +1199,14 @@ class FusedDecoder {
             }
             burst.take(done, b, pick);
           }
-          more = burst.go_on(++done, steps, interrupted_.load());
+          const bool wanted = burst.report(done);
+          more = burst.go_on(++done, steps, interrupted_.load()) && wanted;
           if (more) next_step();
         }
         barrier.wait(n);
       }
     });
+    burst.rethrow();
     return done;
   }
 
@@ -1151,7 +1251,7 @@ class FusedDecoder {
       auto qkv = linear_bf16(h, L.qkv, L.qkv_bias);
       for (int64_t b = 0; b < B; ++b) place_token(L, s, b, bits_mut(qkv) + b * (QS + 2 * KVS), bits_mut(q));
       decode_attention<bf16>(q.data_ptr<bf16>(), L.k_cache.data_ptr<bf16>(), L.v_cache.data_ptr<bf16>(),
-                             s.bt, s.lens, attn.data_ptr<bf16>(), B, H_, KVH_, D_, s.nb, bs_, scale_, window_);
+                             s.bt, s.lens, attn.data_ptr<bf16>(), B, H_, KVH_, D_, s.nb, bs_, scale_, L.window);
       auto o = linear_bf16(attn, L.o, L.o_bias);
       add_into(xp, bits(o), B * hidden);
       rms_norm_rows(xp, bits(L.post_norm), bits_mut(h), B, hidden, eps_);
@@ -1166,7 +1266,8 @@ class FusedDecoder {
 
   int64_t H_, KVH_, D_, I_;
   float eps_, scale_;
-  int64_t window_, bs_;
+  int64_t bs_;
+  int64_t cache_slots_ = 0;  // the fewest slots of any layer's cache
   torch::Tensor final_norm_, embed_, cos_, sin_;
   std::vector<LayerWeights> layers_;
   std::vector<std::vector<std::vector<Segment>>> streams_;  // [threads][thread]: see plan_streams
@@ -1193,9 +1294,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto bt = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
   auto out = torch::empty_like(q);
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == q.size(0) && lens.dim() == 1 && lens.size(0) == q.size(0),
+              "block_tables [batch, blocks] and seq_lens [batch] must match q's batch");
+  TORCH_CHECK(block_size >= 1 && window >= 0, "block_size must be at least 1, window 0 (none) or positive");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), nb = bt.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "head counts do not match");
   TORCH_CHECK(D % 16 == 0 && D <= 128, "head_dim must be a multiple of 16, at most 128");
+  check_block_tables(bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B, nb, block_size, k_cache.size(0) / block_size,
+                     0);
   if (q.scalar_type() == torch::kFloat) {
     decode_attention<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                             bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D,
@@ -1230,7 +1336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, release());
   m.def("argmax_rows", &argmax_rows, release());
   py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor, torch::Tensor,
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, torch::Tensor,
                     torch::Tensor, torch::Tensor>())
       .def("add_layer", &FusedDecoder::add_layer)
       .def("forward", &FusedDecoder::forward, release())

@@ -33,13 +33,13 @@ class DecoderConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    sliding_window: int | None
+    layer_windows: list[int | None]  # per layer: the sliding attention window, or None for full attention
 
     @classmethod
-    def from_hf(cls, c: dict, *, qkv_bias: bool | None = None, qk_norm: bool = False) -> "DecoderConfig":
+    def from_hf(cls, c: dict, *, qkv_bias: bool | None = None, qk_norm: bool = False,
+                per_layer_windows: bool = True) -> "DecoderConfig":
         heads = c["num_attention_heads"]
         attention_bias = bool(c.get("attention_bias", False))
-        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
         rope_scaling = c.get("rope_scaling")
         rope_theta = c.get("rope_theta")
         # Newer configs keep rope settings under rope_parameters.
@@ -65,12 +65,34 @@ class DecoderConfig:
             o_bias=attention_bias,
             mlp_bias=bool(c.get("mlp_bias", False)),
             qk_norm=qk_norm,
-            sliding_window=window,
+            layer_windows=layer_windows(c, per_layer_windows),
         )
 
 
+def layer_windows(c: dict, per_layer: bool = True) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) from an HF config dict, by transformers' rules:
+    `layer_types` where present; else, with `max_window_layers` (Qwen2/Qwen3), the window only from that
+    layer on; else one window for every layer (Mistral). per_layer=False ignores both, as transformers'
+    Mistral does."""
+    n = c["num_hidden_layers"]
+    window = (c.get("sliding_window") if c.get("use_sliding_window", True) else None) or None
+    types = c.get("layer_types") if per_layer else None
+    if types is not None:
+        if len(types) != n:
+            raise ValueError(f"layer_types lists {len(types)} layers, the model has {n}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported by this decoder; "
+                             "expected sliding_attention or full_attention")
+        return [window if t == "sliding_attention" else None for t in types]
+    first = c.get("max_window_layers") if per_layer else None
+    if first is not None:
+        return [window if i >= first else None for i in range(n)]
+    return [window] * n
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, window: int | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -81,7 +103,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = window
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
@@ -97,10 +119,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, cfg.layer_windows[index])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
@@ -114,13 +136,15 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias: bool | None = None  # None: from the config's attention_bias
     qk_norm: bool = False
+    per_layer_windows: bool = True  # False: the config's one window applies to every layer
 
     def __init__(self, hf_config: dict, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
-        cfg = DecoderConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        cfg = DecoderConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
+                                    per_layer_windows=self.per_layer_windows)
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max(max_positions, 1), cfg.rope_theta, cfg.rope_scaling)
@@ -175,16 +199,15 @@ class LlamaForCausalLM(nn.Module):
             p = None if module is None else getattr(module, name)
             return None if p is None else p.detach()
 
-        first = self.layers[0].self_attn
         fused = kernels.FusedDecoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                     cfg.rms_norm_eps, first.scale, first.sliding_window or 0, block_size,
+                                     cfg.rms_norm_eps, self.layers[0].self_attn.scale, block_size,
                                      t(self.norm), t(self.embed_tokens), self.rotary.cos.float(), self.rotary.sin.float())
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
             fused.add_layer(t(layer.input_layernorm), t(a.qkv_proj), t(a.qkv_proj, "bias"), t(a.q_norm), t(a.k_norm),
                             t(a.o_proj), t(a.o_proj, "bias"), t(layer.post_attention_layernorm),
                             t(m.gate_up_proj), t(m.gate_up_proj, "bias"), t(m.down_proj), t(m.down_proj, "bias"),
-                            k_cache, v_cache)
+                            k_cache, v_cache, a.sliding_window or 0)
         return fused
 
     def output_weight(self) -> torch.Tensor:

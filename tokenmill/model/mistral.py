@@ -4,4 +4,5 @@ from tokenmill.model.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    # transformers' Mistral applies its one window to every layer, whatever layer_types a config carries.
+    per_layer_windows = False
