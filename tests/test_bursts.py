@@ -24,11 +24,17 @@ def _count_bursts(llm) -> list[int]:
     lengths: list[int] = []
     run = runner.execute_burst
 
-    def spy(*args):
-        out = run(*args)
-        if out is not None:
-            lengths.append(len(out))
-        return out
+    def spy(sched, steps, interrupted, on_step, *args, **kwargs):
+        done = [0]
+
+        def counted(result):
+            done[0] += 1
+            return on_step(result)
+
+        ran = run(sched, steps, interrupted, counted, *args, **kwargs)
+        if ran:
+            lengths.append(done[0])
+        return ran
 
     runner.execute_burst = spy
     return lengths
@@ -189,3 +195,67 @@ def test_bursts_pick_the_whole_rows_argmax(tiny_models):
         want = single.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
         assert got == want and all(expect(t) for t in got), (got, want)
     assert lengths, "decode should have run in bursts"
+
+
+def _stream(llm, prompts, params) -> tuple[dict, dict]:
+    """Run requests with an output stream attached, as the server does: each output as it is emitted."""
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{i}", None, sp, prompt_token_ids=p)
+    counts: dict[str, list[int]] = {}
+    finals = {}
+
+    def emit(outputs):
+        for out in outputs:
+            counts.setdefault(out.request_id, []).append(len(out.outputs[0].token_ids))
+            if out.finished:
+                finals[out.request_id] = out
+
+    while engine.has_unfinished_requests():
+        assert engine.step(emit=emit) == []
+    return counts, finals
+
+
+def test_streamed_bursts_hand_on_each_step_from_inside_the_kernel(tiny_models):
+    """With a stream attached, a burst calls back into the engine after every step: each output carries one
+    token more, and tokens, text and stops are those of single steps. A failure in the callback leaves the
+    parallel region cleanly and reaches the caller."""
+    folder = tiny_models["llama"]
+    single, burst = _llm(folder, 1), _llm(folder, 8)
+    lengths = _count_bursts(burst)
+    tok = single.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    free = single.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    gen = [o.outputs[0] for o in free]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop=[gen[1].text[len(gen[1].text) // 2:][:3]],
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)]
+    want = single.generate(prompts, params, use_tqdm=False)
+    counts, finals = _stream(burst, prompts, params)
+    assert lengths and max(lengths) == 8, lengths
+    for i, w in enumerate(want):
+        got = finals[f"s{i}"].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (w.outputs[0].token_ids, w.outputs[0].text,
+                                                                w.outputs[0].finish_reason)
+        assert counts[f"s{i}"] == list(range(1, len(got.token_ids) + 1)), counts[f"s{i}"]
+    assert burst.engine.kv_manager.pool.num_free == burst.engine.num_blocks
+
+    # A callback that raises mid-burst: the error comes out of step(), and the engine still runs.
+    engine = burst.engine
+    engine.add_request("x", None, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       prompt_token_ids=prompts[0])
+    engine.step()  # the prompt
+    calls = []
+
+    def failing(outputs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("emit failed")
+
+    with pytest.raises(KeyError, match="emit failed"):
+        engine.step(emit=failing)
+    assert len(calls) == 3  # the burst stopped at the failing step
+    engine.abort_request("x")
+    again = burst.generate(prompts[:1], params[:1], use_tqdm=False)
+    assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids

@@ -85,12 +85,19 @@ def test_pool_invariants_under_random_traffic(ops, num_blocks, budget, caching):
     assert kv.pool.num_free == num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
 
 
+def _compute(kv: KVCacheManager, req: Request, n: int) -> None:
+    """Allocate n more tokens and mark them computed, as a finished forward pass would."""
+    assert kv.allocate_slots(req, n)
+    req.num_computed_tokens += n
+    kv.cache_computed_blocks(req)
+
+
 def test_eviction_is_least_recently_used():
     kv = KVCacheManager(4, BS)  # exactly the blocks of a and b, so no never-used block comes first
     a = Request("a", list(range(8)), SamplingParams(), 1)
     b = Request("b", list(range(100, 108)), SamplingParams(), 1)
     for r in (a, b):
-        assert kv.allocate_slots(r, 8)
+        _compute(kv, r, 8)
     a_blocks, b_blocks = list(a.block_ids), list(b.block_ids)
     kv.free(a)
     kv.free(b)
@@ -106,7 +113,7 @@ def test_eviction_is_least_recently_used():
 def test_hit_confirmed_by_tokens_and_salt_isolates():
     kv = KVCacheManager(8, BS)
     r = Request("r", list(range(9)), SamplingParams(), 1)
-    assert kv.allocate_slots(r, 9)
+    _compute(kv, r, 9)
     # A forged entry under the same digest with other tokens is not served.
     h = r.block_hashes[0]
     assert kv.pool.lookup(h) is not None

@@ -28,7 +28,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -61,3 +61,4 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # set when this request failed alone (finish_reason "error")

@@ -51,35 +51,45 @@ class ModelRunner:
         self.supports_bursts = hasattr(model, "_fused_decoder") and device.type == "cpu" and dtype == torch.bfloat16
 
     @torch.inference_mode()
-    def execute_burst(self, sched: SchedulerOutput, steps: int,
-                      interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
+    def execute_burst(self, sched: SchedulerOutput, steps: int, interrupted: Callable[[], bool],
+                      on_step: Callable[[ModelOutput], bool], stream: bool = False) -> bool:
         """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
-        fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
-        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch or
-        interrupted() already holds. The burst ends early when every request has produced a stop token,
-        or after the step running when interrupt() is called."""
+        fused decoder; every request's blocks must already hold the slots of all the steps. Each step's
+        sampled tokens go to on_step, which returns whether any request still wants tokens: with `stream`
+        as soon as the step is done (from inside the call), else all after it. Returns False (nothing run)
+        where the fused decoder does not run this batch or interrupted() already holds. The burst ends
+        early when every request has produced a stop token, when on_step says so, or after the step
+        running when interrupt() is called."""
         if not self.supports_bursts:
-            return None
+            return False
         items = sched.scheduled
         input_ids, positions, meta, _ = self._prepare(items)
         fused = self.model._fused_decoder(self.kv_caches, meta)
         if fused is None:  # no kernels on this CPU, or a shape they do not take
             self.supports_bursts = False
-            return None
+            return False
         slots = torch.tensor([[self._slot(s.request, s.request.num_computed_tokens + j) for s in items]
                               for j in range(steps)], dtype=torch.long)
         stop_ids = [s.request.sampling_params.ending_token_ids for s in items]
+        ids = [s.request.request_id for s in items]
+
+        def step_done(row: list[int]) -> bool:
+            return on_step(ModelOutput(sampled=dict(zip(ids, row))))
+
         fused.clear_interrupt()
         self._burst = fused  # from here on interrupt() reaches it; before, interrupted() tells
         try:
             if interrupted():
-                return None
+                return False
             tokens = fused.decode_greedy(input_ids, positions, slots, meta.decode_block_tables, meta.decode_seq_lens,
-                                         self.model.output_weight().detach(), stop_ids)
+                                         self.model.output_weight().detach(), stop_ids, step_done if stream else None)
         finally:
             self._burst = None
-        ids = [s.request.request_id for s in items]
-        return [ModelOutput(sampled=dict(zip(ids, row))) for row in tokens.tolist()]
+        if not stream:
+            for row in tokens.tolist():
+                if not step_done(row):
+                    break
+        return True
 
     def interrupt(self) -> None:
         """End a running burst after its current step (any thread)."""

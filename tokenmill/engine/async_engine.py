@@ -26,6 +26,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped after an internal error; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed alone (the engine and the other requests go on)."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -40,6 +44,40 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
         q.put_nowait(item)
 
 
+class RequestStream:
+    """A request's outputs as the engine produces them (async iteration); closing it before the request
+    has finished aborts the request."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
+        self._engine, self.request_id, self._stream = engine, request_id, stream
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except BaseException:  # cancelled while waiting: nobody will read the rest
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finished:
+            self._done = True
+            self._engine._streams.pop(self.request_id, None)
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._streams.pop(self.request_id, None)
+            self._engine.abort(self.request_id)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None,
                  log_interval: float = 5.0) -> None:
@@ -48,7 +86,7 @@ class AsyncEngine:
         self.log_interval = log_interval
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds = 0  # requests handed over but not yet seen by the engine thread
+        self._pending_adds = 0  # sequences (prompts x n) reserved or handed over, not yet seen by the engine thread
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -76,29 +114,41 @@ class AsyncEngine:
         return self.engine.scheduler.num_waiting + self._pending_adds
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
+    def try_reserve(self, sequences: int, limit: int) -> bool:
+        """Hold places for `sequences` waiting sequences if the queue stays within limit (the caller then
+        passes them on with add() or gives them back with release()). Exact under any concurrency."""
+        with self._pending_lock:
+            if self.engine.scheduler.num_waiting + self._pending_adds + sequences > limit:
+                return False
+            self._pending_adds += sequences
+            return True
+
+    def release(self, sequences: int) -> None:
+        """Give back places held by try_reserve() that will not be used."""
+        self._count_pending(-sequences)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+            reserved: bool = False) -> RequestStream:
+        """Queue a request now; its outputs arrive on the returned stream. `reserved`: its places in the
+        queue were taken by try_reserve()."""
         if self.is_dead:
             raise EngineDeadError("the engine has stopped after an internal error")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._count_pending(+1)
+        if not reserved:
+            self._count_pending(params.n)
         self._send(("add", request_id, prompt, prompt_token_ids, params, time.time()))
-        finished = False
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
+        stream = self.add(request_id, prompt_token_ids, params, prompt)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in stream:
+                yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            await stream.aclose()
 
     def _count_pending(self, delta: int) -> None:
         with self._pending_lock:  # updated from the event loop and the engine thread
@@ -132,16 +182,12 @@ class AsyncEngine:
                 steps += 1
                 if fail_after and steps > fail_after:
                     raise RuntimeError("injected engine failure")
-                outputs = engine.step()
-                now = time.time()
+                engine.step(emit=self._emit)
                 sched = engine.last_step
                 if sched is not None:
                     for s in sched.scheduled:  # a sampled token's position counts as generation, the rest as prompt
                         tokens_since[0] += s.num_new_tokens - 1 if s.samples else s.num_new_tokens
                     tokens_since[1] += sched.num_generated
-                self._deliver(outputs)
-                if self.on_step is not None:
-                    self.on_step(outputs, now)
                 if time.monotonic() - last_log >= self.log_interval:
                     self._log_throughput(time.monotonic() - last_log, tokens_since)
                     last_log, tokens_since = time.monotonic(), [0, 0]
@@ -155,13 +201,23 @@ class AsyncEngine:
                 fn()
             self._drain_dead(dead)
 
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs (each step of a burst as soon as it is done): to their streams and the metrics."""
+        self._deliver(outputs)
+        if self.on_step is not None:
+            try:
+                self.on_step(outputs, time.time())
+            except Exception:  # statistics must never stop the engine
+                logger.exception("metrics update failed")
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams with one wake-up of each event loop, not one per request."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                item = RequestFailedError(out.error) if out.error is not None else out
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
@@ -173,7 +229,7 @@ class AsyncEngine:
             except queue.Empty:
                 continue
             if cmd[0] == "add":
-                self._count_pending(-1)
+                self._count_pending(-cmd[4].n)
                 stream = self._streams.get(cmd[1])
                 if stream is not None:
                     stream.put(dead)
@@ -191,10 +247,12 @@ class AsyncEngine:
                 return
 
     def _apply(self, cmd) -> None:
+        """One command from the event loop. A failure here concerns that request or call alone: it is
+        reported to its stream (or logged) and the engine goes on."""
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, ids, params, arrival = cmd
-            self._count_pending(-1)
+            self._count_pending(-params.n)
             stream = self._streams.get(rid)
             if stream is None:  # the client left before the engine saw the request
                 return
@@ -202,12 +260,19 @@ class AsyncEngine:
                 self.engine.add_request(rid, prompt, params, arrival_time=arrival, prompt_token_ids=ids)
             except ValueError as e:
                 stream.put(e)
+            except Exception as e:
+                logger.exception("could not add request %s", rid)
+                self.engine.abort_request(rid)
+                stream.put(RequestFailedError(f"the request could not be started ({type(e).__name__}: {e})"))
         elif kind == "abort":
             for out in self.engine.abort_request(cmd[1]):
                 if self.on_step is not None:
                     self.on_step([out], time.time())
         elif kind == "call":
-            cmd[1](self.engine)
+            try:
+                cmd[1](self.engine)
+            except Exception:
+                logger.exception("engine call failed")
 
     def _log_throughput(self, elapsed: float, tokens: list[int]) -> None:
         s = self.engine.stats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 from tokenmill.attention.cpu import TorchSDPABackend
@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import ModelOutput, Scheduler
+from tokenmill.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from tokenmill.model.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner import ModelRunner, kv_bytes_per_block
@@ -142,27 +142,44 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Schedule, run one forward pass over the mixed batch, sample, and report what changed.
 
         A batch of greedy decodes with nothing waiting may run up to config.num_scheduler_steps steps
-        back to back (a burst) in one call of the fused CPU decoder; each step's tokens are then taken
-        as a step of their own would take them, and each request reports once, with all its new tokens."""
+        back to back (a burst) in one call of the fused CPU decoder; each step's tokens are taken as a step
+        of their own would take them. With `emit`, each step's outputs go to it as soon as that step is
+        done (a streaming client sees every token when it is computed) and step() returns nothing; without
+        it each request reports once, with all its new tokens."""
         sched = self.scheduler.schedule()
-        steps = self._burst_steps(sched)
-        results = self.runner.execute_burst(sched, steps, self._interrupted.is_set) if steps > 1 else None
-        if results is None:
-            results = [self.runner.execute(sched) if not sched.is_empty else ModelOutput()]
         latest: dict[str, RequestOutput] = {}
-        for result in results:
-            changed = self.scheduler.update(sched, result)
-            sched.num_generated += len(changed)
-            outputs, stopped = self.output_processor.process(changed)
-            for rid, stop in stopped:
-                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-            latest.update((out.request_id, out) for out in outputs)
+
+        def take(result: ModelOutput) -> bool:
+            outputs = self._take(sched, result)
+            if emit is not None:
+                emit(outputs)
+            else:
+                latest.update((out.request_id, out) for out in outputs)
+            return any(not s.request.is_finished for s in sched.scheduled)
+
+        steps = self._burst_steps(sched)
+        if not (steps > 1 and self.runner.execute_burst(sched, steps, self._interrupted.is_set, take,
+                                                         stream=emit is not None)):
+            take(self.runner.execute(sched) if not sched.is_empty else ModelOutput())
         self.last_step = sched
         return list(latest.values())
+
+    def _take(self, sched: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
+        """Apply one step's sampled tokens: stop rules, text, outputs. A request whose output cannot be
+        made (its detokenization fails) ends alone with an error; the others go on."""
+        changed = self.scheduler.update(sched, result)
+        sched.num_generated += len(changed)
+        outputs, stopped, failed = self.output_processor.process(changed)
+        for rid, stop in stopped:
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        for parent_id, error in failed:
+            self.scheduler.finish_requests(self.output_processor.children_of(parent_id), RequestStatus.FINISHED_ERROR)
+            outputs.append(self.output_processor.fail(parent_id, error))
+        return outputs
 
     def _burst_steps(self, sched) -> int:
         """How many decode steps this step may run back to back: 1 unless every scheduled request decodes

@@ -164,12 +164,10 @@ class KVCacheManager:
             req.block_ids.extend(b.block_id for b in computed)
             req.num_computed_tokens = num_computed
         req.block_ids.extend(b.block_id for b in self.pool.allocate(num_new_blocks))
-        self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
-        """Register the blocks that are full once num_tokens are computed (written later this same step,
-        before any attention reads them, so others may share them at once)."""
+        """Register the blocks that the first num_tokens tokens fill; their KV must be written already."""
         if not self.enable_caching:
             return
         self._extend_hashes(req)
@@ -179,8 +177,9 @@ class KVCacheManager:
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register the blocks the request's computed tokens have filled (a burst of decode steps fills
-        blocks that did not have their tokens yet when they were allocated)."""
+        """Register the blocks the request's computed tokens have filled. Only blocks whose KV a finished
+        forward pass wrote become findable: a step that fails or is interrupted leaves nothing behind
+        that a later prompt with the same prefix could read unwritten."""
         if req.num_computed_tokens // self.block_size > req.num_cached_blocks:
             self._cache_full_blocks(req, req.num_computed_tokens)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass(slots=True)
@@ -22,6 +25,7 @@ class ParentState:
     metrics: RequestMetrics
     finished_reasons: dict[int, str] = field(default_factory=dict)
     stop_reasons: dict[int, object] = field(default_factory=dict)
+    error: str | None = None  # why the request failed alone, if it did
 
     @property
     def finished(self) -> bool:
@@ -47,21 +51,28 @@ class OutputProcessor:
         state = self.parents.get(request_id)
         return [c.request_id for c in state.children] if state else []
 
-    def process(self, changed: list[Request]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Detokenize new tokens; returns outputs of touched parents and (child id, stop string) to finish."""
+    def process(self, changed: list[Request]) -> tuple[list[RequestOutput], list[tuple[str, str]], list[tuple[str, str]]]:
+        """Detokenize new tokens; returns outputs of touched parents, (child id, stop string) to finish, and
+        (parent id, error) of requests whose output could not be made (they fail alone)."""
         now = time.time()
         stopped: list[tuple[str, str]] = []
+        failed: dict[str, str] = {}
         touched: dict[str, ParentState] = {}
         for req in changed:
             parent = self.parents.get(self.child_to_parent.get(req.request_id, ""))
-            if parent is None:
+            if parent is None or parent.request_id in failed:
                 continue
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
                 parent.metrics.first_scheduled_time = req.metrics.first_scheduled_time
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            stop = parent.detokenizers[req.index].add(req.output_token_ids[-1])
+            try:
+                stop = parent.detokenizers[req.index].add(req.output_token_ids[-1])
+            except Exception as e:
+                failed[parent.request_id] = _failure(parent, e)
+                touched.pop(parent.request_id, None)
+                continue
             if stop is not None:
                 parent.finished_reasons[req.index] = "stop"
                 parent.stop_reasons[req.index] = stop
@@ -71,16 +82,32 @@ class OutputProcessor:
                 parent.finished_reasons[req.index] = req.finish_reason
                 parent.stop_reasons[req.index] = req.stop_reason
             touched[parent.request_id] = parent
-        outputs = [self._output(p, now) for p in touched.values()]
-        return outputs, stopped
+        outputs = []
+        for p in touched.values():
+            try:
+                outputs.append(self._output(p, now))
+            except Exception as e:
+                failed[p.request_id] = _failure(p, e)
+        return outputs, stopped, list(failed.items())
 
     def abort(self, parent_id: str) -> RequestOutput | None:
         """Mark every unfinished child aborted and hand back the final output."""
+        return self._finish(parent_id, RequestStatus.FINISHED_ABORTED.value)
+
+    def fail(self, parent_id: str, error: str) -> RequestOutput | None:
+        """End a request that failed alone: its final output carries the error."""
+        parent = self.parents.get(parent_id)
+        if parent is None:
+            return None
+        parent.error = error
+        return self._finish(parent_id, RequestStatus.FINISHED_ERROR.value)
+
+    def _finish(self, parent_id: str, reason: str) -> RequestOutput | None:
         parent = self.parents.get(parent_id)
         if parent is None:
             return None
         for c in parent.children:
-            parent.finished_reasons.setdefault(c.index, RequestStatus.FINISHED_ABORTED.value)
+            parent.finished_reasons.setdefault(c.index, reason)
         return self._output(parent, time.time())
 
     def _output(self, p: ParentState, now: float) -> RequestOutput:
@@ -88,7 +115,7 @@ class OutputProcessor:
         for c, det in zip(p.children, p.detokenizers):
             reason = p.finished_reasons.get(c.index)
             lps = None
-            if c.sampling_params.logprobs is not None:
+            if c.sampling_params.logprobs is not None and p.error is None:
                 lps = [self._decode_logprobs(d) for d in c.logprobs]
             completions.append(CompletionOutput(
                 index=c.index, text=det.visible_text(reason is not None), token_ids=list(c.output_token_ids),
@@ -96,7 +123,7 @@ class OutputProcessor:
                 logprobs=lps, finish_reason=reason, stop_reason=p.stop_reasons.get(c.index)))
         first = p.children[0]
         prompt_lps = None
-        if first.sampling_params.prompt_logprobs is not None:
+        if first.sampling_params.prompt_logprobs is not None and p.error is None:
             prompt_lps = [None if d is None else self._decode_logprobs(d) for d in first.prompt_logprobs]
         if p.finished:
             p.metrics.finished_time = now
@@ -104,7 +131,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids, outputs=completions,
             finished=p.finished, metrics=p.metrics, prompt_logprobs=prompt_lps,
-            num_cached_tokens=max(0, first.num_cached_tokens))
+            num_cached_tokens=max(0, first.num_cached_tokens), error=p.error)
 
     def _decode_logprobs(self, d: dict) -> dict:
         for tid, lp in d.items():
@@ -116,3 +143,8 @@ class OutputProcessor:
         self.parents.pop(p.request_id, None)
         for c in p.children:
             self.child_to_parent.pop(c.request_id, None)
+
+
+def _failure(parent: ParentState, e: Exception) -> str:
+    logger.exception("request %s failed while its output was made", parent.request_id)
+    return f"{type(e).__name__}: {e}"

@@ -71,23 +71,29 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.time()
 
-        # Running requests first, oldest first; preempt the newest when blocks run out.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # Running requests first. Every decode gets its token before any prompt chunk takes the budget, so
+        # a long prompt never starves the decodes behind it; oldest first within each kind. When blocks
+        # run out, the newest request not yet scheduled in this step is preempted.
+        scheduled: set[str] = set()
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()
+                victim = next((r for r in reversed(self.running) if r is not req and r.request_id not in scheduled),
+                              req)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
-                    num_new = 0
                     break
-            if num_new == 0:
+            if req.status != RequestStatus.RUNNING:
                 break
             out.scheduled.append(self._scheduled(req, num_new))
+            scheduled.add(req.request_id)
             budget -= num_new
-            i += 1
 
         # Then waiting requests, first come first served, while budget, seats and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
@@ -117,6 +123,7 @@ class Scheduler:
         """Free the request's blocks and send it back to the front of the queue to be recomputed."""
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.prompt_logprobs = []  # the recompute hands them over again
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
