@@ -74,10 +74,105 @@ def test_token_prompt_echo_and_logprobs(client, offline):
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, logprobs=3, echo=True)
     c = r.choices[0]
     assert c.text.startswith(PROMPTS[1])
-    assert len(c.logprobs.tokens) == 4
-    # Keyed by token text, so tokens that decode alike (partial UTF-8 bytes) share an entry.
-    assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
-    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    # One entry per prompt token (the first has no logprob), then the generated ones.
+    assert len(c.logprobs.tokens) == len(ids) + 4 and c.logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+    # The token itself and the top 3, keyed by text (tokens that decode alike share a key).
+    assert c.logprobs.top_logprobs[0] is None and all(1 <= len(top) <= 4 for top in c.logprobs.top_logprobs[1:])
+    assert all(b > a for a, b in zip(c.logprobs.text_offset, c.logprobs.text_offset[1:]))
+
+
+def _hf_prompt_logprobs(folder: str, ids: list[int]) -> list[float]:
+    """Reference: transformers' log-probability of each prompt token given the ones before it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return [logprobs[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+
+
+def test_echo_scores_the_prompt_like_transformers(server, client, offline, tiny_models):
+    """What lm-eval's loglikelihood requests send: echo, logprobs, max_tokens 0 (or 1), token ids."""
+    ids = offline.get_tokenizer().encode(PROMPTS[2])
+    ref = _hf_prompt_logprobs(tiny_models["llama"], ids)
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    c = r.choices[0]
+    assert c.text == offline.get_tokenizer().decode(ids) and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(ref, abs=2e-4)
+    # Greedy check as lm-eval does it: the top entry equals the token's own logprob where it was the argmax.
+    assert all(max(top.values()) >= tl - 1e-6 for top, tl in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    # With a generated token too (lm-eval's older request shape), the prompt's entries are the same.
+    one = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert one.choices[0].logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
+    assert len(one.choices[0].logprobs.tokens) == len(ids) + 1
+    # max_tokens 0 without echo would return nothing: refused.
+    bad = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+    # vLLM's prompt_logprobs field: per prompt position None, then {token id: logprob, rank, decoded_token}.
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    plp = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert [plp[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(ref, abs=2e-4)
+    assert all(len(d) <= 3 and any(v["rank"] == 1 for v in d.values()) for d in plp[1:])
+
+
+def test_streamed_echo_and_offsets_match_the_whole_answer(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    whole = httpx.post(server.url + "/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "echo": True, "stream": True}) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    pieces = [e["choices"][0] for e in events]
+    assert "".join(p["text"] for p in pieces) == whole["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((p["logprobs"][key] for p in pieces), []) == whole["logprobs"][key]
+    # Without echo the offsets index the prompt followed by the completion, streamed or not.
+    plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert plain["text_offset"][0] == len(PROMPTS[0])
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    assert sum((e["choices"][0]["logprobs"]["text_offset"] for e in events), []) == plain["text_offset"]
+
+
+def test_continuous_usage_stats(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for route, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "hi"}]})):
+        payload = {**body, **extra}
+        if extra:
+            payload.pop("prompt")
+        with httpx.stream("POST", server.url + route, json=payload) as r:
+            events = [e for e in sse_events(r) if e != "[DONE]"]
+        counted = [e["usage"]["completion_tokens"] for e in events if e.get("usage") and e["choices"]]
+        assert counted and counted == sorted(counted) and counted[-1] == 5, route
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_token_bytes_and_ids(client, offline):
+    from tokenmill.server.logprobs import TokenText
+
+    names = TokenText(offline.get_tokenizer())
+    text = "Ünïcödé: café, naïve, 日本語 🙂"
+    ids = offline.get_tokenizer().encode(text)
+    # A token's bytes are its own raw bytes: together they are the text's UTF-8, even where a token holds
+    # only part of a character (and so decodes to U+FFFD alone).
+    assert b"".join(bytes(names.raw_bytes(t)) for t in ids) == text.encode()
+    assert any(offline.get_tokenizer().decode([t]) == "\ufffd" for t in ids)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert all(t.token.startswith("token_id:") for t in content)
+    got = [int(t.token.split(":")[1]) for t in content]
+    assert [t.bytes for t in content] == [names.raw_bytes(i) for i in got]
 
 
 def test_chat_stream_equals_non_stream(client):
@@ -144,11 +239,27 @@ def test_errors_have_openai_shape(server):
     url = server.url
     check(httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": 5}), 400, "invalid_request_error")
     check(httpx.post(url + "/v1/completions", json={"max_tokens": 3}), 400, "invalid_request_error")
-    check(httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
-          400, "invalid_request_error")
+    err = check(httpx.post(url + "/v1/completions", content=b'{"prompt": "x",\n "max_tokens": }',
+                           headers={"content-type": "application/json"}), 400, "invalid_request_error")
+    assert err["param"] is None and "not valid JSON" in err["message"] and "character 31" in err["message"]
+    # A lone surrogate is valid JSON but no text: a 400 naming the field, and the connection stays usable.
+    with httpx.Client() as keep_alive:
+        for route, body in (("/v1/completions", {"prompt": "abc \ud800 def"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc \ud800"}]})):
+            err = check(keep_alive.post(url + route, content=json.dumps(body).encode(),
+                                        headers={"content-type": "application/json"}), 400, "invalid_request_error")
+            assert err["param"] in ("prompt", "messages") and "Unicode" in err["message"]
+        assert keep_alive.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
     err = check(httpx.post(url + "/v1/completions", json={"prompt": "x " * 600, "max_tokens": 10}), 400,
                 "invalid_request_error")
     assert err["message"].startswith("This model's maximum context length is 512 tokens. However, you requested")
+    assert err["param"] == "prompt"  # the prompt alone is too long
+    err = check(httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x " * 600}]}),
+                400, "invalid_request_error")
+    assert err["param"] == "messages"
+    err = check(httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 600}), 400,
+                "invalid_request_error")
+    assert err["param"] == "max_tokens"  # the prompt fits; the completion asked for is what does not
     check(httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "not_found_error")
     check(httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                         "chat_template": "{{ 7 }}"}), 400, "invalid_request_error")
@@ -182,15 +293,71 @@ def test_disconnect_mid_stream_frees_everything(server):
     assert server.metrics()["tokenmill:requests_aborted_total"] >= 1
 
 
-def test_disconnect_non_streaming_aborts(server):
-    body = json.dumps({"prompt": "A", "max_tokens": 500, "n": 32, "temperature": 0, "ignore_eos": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    server.wait_metric("tokenmill:num_requests_running", lambda v: v > 0)
-    sock.close()  # the client leaves without reading the answer
-    server.wait_metric("tokenmill:num_requests_running", lambda v: v == 0)
-    server.wait_metric("tokenmill:kv_cache_usage_perc", lambda v: v == 0)
+def _send_raw(port: int, path: str, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+    return sock
+
+
+def test_disconnect_non_streaming_aborts_at_once(server):
+    """A client waiting for a whole answer leaves while its request decodes (a step takes a few ms, so
+    output never pauses): the request is aborted within a second, long before its max_tokens, and its
+    blocks are freed."""
+    asked = 480
+    for path, body in (("/v1/completions", {"prompt": "A"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A"}]})):
+        before = server.metrics()
+        sock = _send_raw(server.port, path, {**body, "max_tokens": asked, "temperature": 0, "ignore_eos": True})
+        server.wait_metric("tokenmill:generation_tokens_total",
+                           lambda v: v > before.get("tokenmill:generation_tokens_total", 0) + 20)
+        sock.close()  # the client leaves without reading the answer
+        left = time.monotonic()
+        server.wait_metric("tokenmill:requests_aborted_total",
+                           lambda v: v == before.get("tokenmill:requests_aborted_total", 0) + 1, timeout=5)
+        assert time.monotonic() - left < 1.5, path
+        server.wait_metric("tokenmill:num_requests_running", lambda v: v == 0)
+        server.wait_metric("tokenmill:kv_cache_usage_perc", lambda v: v == 0)
+        after = server.metrics()
+        generated = after["tokenmill:generation_tokens_total"] - before.get("tokenmill:generation_tokens_total", 0)
+        assert generated < asked, (path, generated)
+
+
+def test_limits_sequences_and_chunked_bodies(tiny_models):
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--max-queued-requests", "8",
+                        "--max-num-seqs", "1", "--max-body-bytes", "100000")
+    try:
+        url = srv.url + "/v1/completions"
+        # More sequences (prompts x n) than the whole queue holds: never admissible, so 400 with the reason.
+        r = httpx.post(url, json={"prompt": ["a"] * 5, "n": 2, "max_tokens": 1})
+        assert r.status_code == 400 and "prompts x n" in r.json()["error"]["message"]
+        # One seat; a request of 8 sequences leaves 7 waiting: one more sequence fits, two do not.
+        with httpx.stream("POST", url, json={"prompt": ["a"] * 4, "n": 2, "max_tokens": 400, "ignore_eos": True,
+                                             "stream": True}, timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)
+            srv.wait_metric("tokenmill:num_requests_waiting", lambda v: v == 7)
+            busy = httpx.post(url, json={"prompt": "a", "max_tokens": 1, "n": 2}, timeout=10)
+            assert busy.status_code == 429, busy.text
+        srv.wait_metric("tokenmill:num_requests_waiting", lambda v: v == 0)
+        srv.wait_metric("tokenmill:num_requests_running", lambda v: v == 0)
+        assert httpx.post(url, json={"prompt": ["a"] * 4, "n": 2, "max_tokens": 1}).status_code == 200
+        assert srv.metrics()["tokenmill:requests_rejected_total"] == 1
+
+        def chunks():  # no Content-Length: sent with chunked transfer encoding
+            yield b'{"prompt": "'
+            for _ in range(30):
+                yield b"x" * 10000
+            yield b'", "max_tokens": 1}'
+
+        r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
+        small = httpx.post(url, content=iter([b'{"prompt": "hi", ', b'"max_tokens": 1}']),
+                           headers={"content-type": "application/json"})
+        assert small.status_code == 200, small.text
+    finally:
+        assert srv.stop() == 0
 
 
 def test_prefix_cache_reported(server):

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.server.logprobs import TokenText
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_body)
@@ -42,6 +43,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.exit_code = 0
         self.server = None  # the uvicorn.Server, to stop it from inside
+        self._token_text: TokenText | None = None
         self.started = time.time()
 
     # ------------------------------------------------------------------ engine
@@ -79,6 +81,14 @@ class ServerState:
     def tokenizer(self):
         return self.ready_engine().engine.tokenizer
 
+    @property
+    def token_text(self) -> TokenText:
+        """How the API names tokens and their bytes (made once, with the engine's tokenizer)."""
+        tokenizer = self.tokenizer
+        if self._token_text is None or self._token_text.tokenizer is not tokenizer:
+            self._token_text = TokenText(tokenizer)
+        return self._token_text
+
 
 def _default_name(model: str | None) -> str:
     from tokenmill.model.hub import DEFAULT_MODEL
@@ -102,26 +112,30 @@ class BodySizeLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _send_json(send, 413, error_body(
                 f"request body of {int(declared)} bytes exceeds the limit of {self.limit}", "invalid_request_error", 413))
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        # The whole body is read here, before the app: an exception raised while FastAPI reads it would
+        # become a 400 "error parsing the body", and a chunked body declares no length to check first.
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge()
-            return message
+            if message["type"] != "http.request":  # the client left before it finished sending
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.limit:
+                return await _send_json(send, 413, error_body(
+                    f"request body exceeds the limit of {self.limit} bytes", "invalid_request_error", 413))
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await _send_json(send, 413, error_body(f"request body exceeds the limit of {self.limit} bytes",
-                                                   "invalid_request_error", 413))
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-
-class _BodyTooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -160,6 +174,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def _validation_error(request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+            where = first.get("loc", ("body", "?"))[-1]
+            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+            return JSONResponse(error_body(f"the request body is not valid JSON: {reason} at character {where}",
+                                           "invalid_request_error", 400), 400)
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request body")
         return JSONResponse(error_body(message, "invalid_request_error", 400, loc or None), 400)
@@ -228,12 +247,59 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(body: DetokenizeRequest):
         return await openai_routes.detokenize(state, body)
 
+    @app.get("/tokenizer_info", dependencies=guarded)
+    async def tokenizer_info():
+        return tokenizer_info_body(state.tokenizer, state.ready_engine().engine.max_model_len)
+
     @app.post("/reset_prefix_cache", dependencies=guarded)
     async def reset_prefix_cache():
         state.ready_engine().call(lambda e: e.reset_prefix_cache())
         return {"status": "ok"}
 
     return app
+
+
+_TOKENIZER_INFO_DROPPED = {"vocab_file", "merges_file", "tokenizer_file", "tokenizer_object", "name_or_path"}
+_SKIP = object()
+
+
+def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
+    """vLLM's GET /tokenizer_info: the tokenizer's configuration as tokenizer_config.json would hold it.
+
+    Its constructor arguments that survive JSON (special tokens as their text, no file paths), then the
+    fields clients read (lm-eval's remote tokenizer reads eos_token, bos_token, pad_token and
+    chat_template) taken from the live tokenizer, so that a tokenizer built from a GGUF answers the same
+    way as one read from a folder. model_max_length is the server's context limit.
+    """
+    def plain(value):
+        if hasattr(value, "content"):  # tokenizers' AddedToken
+            return value.content
+        if value is None or isinstance(value, (str, bool, int, float)):
+            return value
+        if isinstance(value, dict):
+            items = ((k, plain(v)) for k, v in value.items() if isinstance(k, str))
+            return {k: v for k, v in items if v is not _SKIP}
+        if isinstance(value, (list, tuple)):
+            return [v for v in map(plain, value) if v is not _SKIP]
+        return _SKIP  # anything else (a tokenizer object, a path object) is left out
+
+    info = {}
+    for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items():
+        if key in _TOKENIZER_INFO_DROPPED:
+            continue
+        value = plain(value)
+        if value is not _SKIP:
+            info[key] = value
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(tokenizer, name, None)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["model_max_length"] = max_model_len
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        info["chat_template"] = template
+    else:
+        info.pop("chat_template", None)
+    return info
 
 
 def _graceful_server_class():

@@ -7,14 +7,17 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from tokenmill.llm import apply_chat_template
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.app import APIError, ServerState
+from tokenmill.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_body)
 
@@ -22,19 +25,34 @@ _DISCONNECT_POLL_S = 0.25
 
 
 # ---------------------------------------------------------------------- shared steps
-def _admit(state: ServerState, model: str | None):
-    """Checks before any work: engine ready, model known, queue not full."""
+def _admit(state: ServerState, model: str | None, sequences: int = 1) -> AsyncEngine:
+    """Checks before any work: engine ready, model known, and places in the queue for the request's
+    sequences (prompts x n), held until the request is added (or released if it fails before)."""
     engine = state.ready_engine()
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model")
-    if engine.num_waiting >= state.args.max_queued_requests:
+    limit = state.args.max_queued_requests
+    if sequences > limit:
+        raise APIError(400, f"this request asks for {sequences} sequences (prompts x n); at most {limit} fit in "
+                            "the queue (--max-queued-requests): send fewer prompts or a smaller n", param="n")
+    if not engine.try_reserve(sequences, limit):
         state.metrics.rejected.inc()
         raise APIError(429, f"too many requests waiting ({engine.num_waiting}); retry shortly", "rate_limit_error",
                        headers={"Retry-After": "1"})
     return engine
 
 
-def _max_tokens(state: ServerState, requested: int | None, n_prompt: int) -> int:
+@contextlib.contextmanager
+def _reservation(engine: AsyncEngine, sequences: int):
+    """Places held by _admit go back to the queue if the request fails before it is added."""
+    try:
+        yield
+    except BaseException:
+        engine.release(sequences)
+        raise
+
+
+def _max_tokens(state: ServerState, requested: int | None, n_prompt: int, prompt_param: str) -> int:
     engine = state.ready_engine().engine
     limit = state.args.max_tokens_limit
     if requested is not None and limit is not None and requested > limit:
@@ -42,20 +60,27 @@ def _max_tokens(state: ServerState, requested: int | None, n_prompt: int) -> int
     try:
         max_tokens = engine.resolve_max_tokens(n_prompt, requested)
     except ValueError as e:
-        raise APIError(400, str(e), param="messages" if requested is None else "max_tokens") from None
+        too_long = requested is None or n_prompt >= engine.max_model_len
+        raise APIError(400, str(e), param=prompt_param if too_long else "max_tokens") from None
     return min(max_tokens, limit) if limit else max_tokens
 
 
-def _sampling(state, body, max_tokens, logprobs):
+def _sampling(state, body, max_tokens, logprobs, prompt_logprobs=None):
     try:
-        params = body.to_sampling_params(state.ready_engine().engine.default_sampling_params(), max_tokens, logprobs)
+        params = body.to_sampling_params(state.ready_engine().engine.default_sampling_params(), max_tokens, logprobs,
+                                         prompt_logprobs)
         params.validate_for_vocab(state.ready_engine().engine.vocab_size)
         return params
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
 
-async def _encode(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
+async def _encode(state: ServerState, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
+        raise APIError(400, f"{param} is not valid Unicode text: {e.reason} at character {e.start}",
+                       param=param) from None
     tok = state.tokenizer
     # Tokenising a long prompt takes a while: keep it off the event loop.
     return await asyncio.get_running_loop().run_in_executor(
@@ -65,19 +90,22 @@ async def _encode(state: ServerState, text: str, add_special_tokens: bool = True
 async def _watch(request: Request, agen: AsyncIterator):
     """Yield from agen, giving up (and so aborting its requests) as soon as the client disconnects.
 
-    Waiting requests send nothing, so a broken connection would otherwise go unnoticed until the first
-    token; the connection is polled while no output is ready.
+    The connection is checked every _DISCONNECT_POLL_S, whether or not output flows: a client waiting for
+    a whole answer reads nothing until the end, so only the connection tells that it has gone.
     """
     it = agen.__aiter__()
     pending = None
+    checked = time.monotonic()
     try:
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(it.__anext__())
             done, _ = await asyncio.wait({pending}, timeout=_DISCONNECT_POLL_S)
-            if not done:
+            if time.monotonic() - checked >= _DISCONNECT_POLL_S or not done:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     return
+            if not done:
                 continue
             task, pending = pending, None
             try:
@@ -93,38 +121,43 @@ async def _watch(request: Request, agen: AsyncIterator):
         await agen.aclose()
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as they come, tagged with the stream's position."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    q: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, s):
-        try:
-            async for out in s:
-                await q.put((i, out))
-        except BaseException as e:  # surfaced to the consumer
-            await q.put((i, e))
-        finally:
-            await q.put((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come, tagged with the stream's position; leaving
+    early closes (aborts) every stream."""
     try:
-        while remaining:
-            i, item = await q.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i, s):
+            try:
+                async for out in s:
+                    await q.put((i, out))
+            except BaseException as e:  # surfaced to the consumer
+                await q.put((i, e))
+            finally:
+                await q.put((i, done))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        try:
+            while remaining:
+                i, item = await q.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
     finally:
-        for t in tasks:
-            t.cancel()
+        for s in streams:
+            await s.aclose()
 
 
 def _sse(obj) -> str:
@@ -135,6 +168,13 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _usage_of(outs, count_completion: bool = True) -> dict:
+    outs = list(outs)
+    return _usage(sum(len(o.prompt_token_ids) for o in outs),
+                  sum(len(c.token_ids) for o in outs for c in o.outputs) if count_completion else 0,
+                  sum(o.num_cached_tokens for o in outs))
 
 
 def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
@@ -153,111 +193,6 @@ def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-# ---------------------------------------------------------------------- completions
-async def completions(state: ServerState, body: CompletionRequest, request: Request):
-    engine = _admit(state, body.model)
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    prompts = body.prompt
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    encoded = []
-    vocab = engine.engine.vocab_size
-    for p in prompts:
-        if isinstance(p, str):
-            ids = await _encode(state, p)
-        else:
-            ids = list(p)
-            if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if not ids:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        encoded.append((p if isinstance(p, str) else None, ids))
-    requested = body.max_tokens if body.max_tokens is not None else 16
-    params = [_sampling(state, body, _max_tokens(state, requested, len(ids)), body.logprobs) for _, ids in encoded]
-
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    streams = [engine.generate(f"{rid}-{i}", ids, sp, text) for i, ((text, ids), sp) in enumerate(zip(encoded, params))]
-    n = body.n
-    tok = state.tokenizer
-
-    def choice_logprobs(c, start: int, prompt_text_len: int):
-        if body.logprobs is None or c.logprobs is None:
-            return None
-        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = prompt_text_len + sum(len(tok.decode([t])) for t in c.token_ids[:start])
-        for t, d in zip(c.token_ids[start:], c.logprobs[start:]):
-            s = d[t].decoded_token
-            lp["tokens"].append(s)
-            lp["token_logprobs"].append(d[t].logprob)
-            lp["top_logprobs"].append({v.decoded_token: v.logprob for k, v in d.items() if v.rank <= body.logprobs}
-                                      or {s: d[t].logprob})
-            lp["text_offset"].append(offset)
-            offset += len(s)
-        return lp
-
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def events():
-            sent_text = {}
-            sent_tokens = {}
-            final: dict[int, RequestOutput] = {}
-            async for i, out in _watch(request, _merge(streams)):
-                for c in out.outputs:
-                    idx = i * n + c.index
-                    prev = sent_text.get(idx)
-                    text = c.text
-                    echo = ""
-                    if prev is None and body.echo:
-                        echo = encoded[i][0] if encoded[i][0] is not None else tok.decode(encoded[i][1])
-                    delta = echo + text[len(prev or ""):]
-                    start = sent_tokens.get(idx, 0)
-                    if not delta and c.finish_reason is None and len(c.token_ids) == start:
-                        continue
-                    sent_text[idx], sent_tokens[idx] = text, len(c.token_ids)
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                                "choices": [{"index": idx, "text": delta, "logprobs": choice_logprobs(c, start, 0),
-                                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-                if out.finished:
-                    final[i] = out
-            if include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                            "choices": [], "usage": _usage_of(final.values())})
-
-        return _streaming(events())
-
-    async def collect():
-        finals = {}
-        async for i, out in _watch(request, _merge(streams)):
-            if out.finished:
-                finals[i] = out
-        return [finals[i] for i in range(len(streams))] if len(finals) == len(streams) else None
-
-    outs = await _run(request, collect())
-    choices = []
-    for i, out in enumerate(outs):
-        prompt_text = ""
-        if body.echo:
-            prompt_text = encoded[i][0] if encoded[i][0] is not None else tok.decode(encoded[i][1])
-        for c in out.outputs:
-            choices.append({"index": i * n + c.index, "text": prompt_text + c.text,
-                            "logprobs": choice_logprobs(c, 0, len(prompt_text)),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-            "choices": choices, "usage": _usage_of(outs)}
-
-
-def _usage_of(outs) -> dict:
-    outs = list(outs)
-    return _usage(sum(len(o.prompt_token_ids) for o in outs),
-                  sum(len(c.token_ids) for o in outs for c in o.outputs),
-                  sum(o.num_cached_tokens for o in outs))
-
-
 def _stream_error(e: Exception) -> dict:
     if isinstance(e, APIError):
         return error_body(e.message, e.type, e.status, e.param)
@@ -271,56 +206,182 @@ async def _run(request: Request, coro):
         result = await coro
     except ValueError as e:
         raise APIError(400, str(e)) from None
+    except RequestFailedError as e:
+        raise APIError(500, f"the request failed: {e}", "server_error") from None
     if result is None:  # the client left; nobody reads this answer
         raise APIError(499, "client disconnected")
     return result
 
 
+# ---------------------------------------------------------------------- completions
+@dataclass(slots=True)
+class _Choice:
+    """What one completion choice has sent so far, so each streamed piece carries only what is new."""
+
+    text: int = 0  # characters of the completion sent
+    tokens: int = 0  # completion tokens whose logprobs were sent
+    offset: int = 0  # text_offset of the next completion token
+    started: bool = False  # the echoed prompt went out
+    finished: bool = False
+
+
+async def completions(state: ServerState, body: CompletionRequest, request: Request):
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    sequences = len(prompts) * body.n
+    engine = _admit(state, body.model, sequences)
+    with _reservation(engine, sequences):
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        score_only = body.max_tokens == 0
+        if score_only and not body.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it scores the prompt, and needs echo", param="max_tokens")
+        encoded = []
+        vocab = engine.engine.vocab_size
+        for p in prompts:
+            if isinstance(p, str):
+                ids = await _encode(state, p)
+            else:
+                ids = list(p)
+                if any(t < 0 or t >= vocab for t in ids):
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            encoded.append((p if isinstance(p, str) else None, ids))
+        # Scoring a prompt computes one token past it, which is left out of the answer.
+        requested = 1 if score_only else (body.max_tokens if body.max_tokens is not None else 16)
+        prompt_lps = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_lps = max(prompt_lps or 0, body.logprobs)
+        params = [_sampling(state, body, _max_tokens(state, requested, len(ids), "prompt"), body.logprobs, prompt_lps)
+                  for _, ids in encoded]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = [engine.add(f"{rid}-{i}", ids, sp, text, reserved=True)
+                   for i, ((text, ids), sp) in enumerate(zip(encoded, params))]
+    created = int(time.time())
+    n = body.n
+    tok = state.tokenizer
+    names = state.token_text
+    as_ids = body.return_tokens_as_token_ids
+    prompt_texts = [text if text is not None else tok.decode(ids) for text, ids in encoded]
+
+    def piece(i: int, out: RequestOutput, c, sent: _Choice) -> dict | None:
+        """The choice's next piece: new text (the echoed prompt first), its logprobs, the finish; None
+        when there is nothing new. text_offset indexes the prompt followed by the completion."""
+        prompt_ids = encoded[i][1]
+        text, ids, entries = "", [], []
+        first = not sent.started
+        if first:
+            sent.started = True
+            sent.offset = 0 if body.echo else len(prompt_texts[i])
+            if body.echo:
+                text, ids = prompt_texts[i], list(prompt_ids)
+                entries = list(out.prompt_logprobs or [None] * len(prompt_ids))
+        if not score_only:
+            text += c.text[sent.text:]
+            sent.text = len(c.text)
+            new_ids = c.token_ids[sent.tokens:]
+            ids += new_ids
+            entries += c.logprobs[sent.tokens:] if c.logprobs is not None else [None] * len(new_ids)
+            sent.tokens = len(c.token_ids)
+        finish = c.finish_reason
+        if score_only and finish in ("stop", "length"):
+            finish = "length"  # the token computed past the prompt is not part of the answer
+        if not text and not ids and (finish is None or sent.finished):
+            return None
+        sent.finished = finish is not None
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(names, ids, entries, body.logprobs, sent.offset, as_ids)
+            if ids:
+                sent.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        choice = {"index": i * n + c.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": c.stop_reason}
+        if first and body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(names, out.prompt_logprobs)
+        return choice
+
+    sent = {}
+
+    def pieces(i: int, out: RequestOutput) -> list[dict]:
+        found = (piece(i, out, c, sent.setdefault(i * n + c.index, _Choice())) for c in out.outputs)
+        return [p for p in found if p is not None]
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+        async def events():
+            latest: dict[int, RequestOutput] = {}
+            async for i, out in _watch(request, _merge(streams)):
+                latest[i] = out
+                for choice in pieces(i, out):
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                             "choices": [choice]}
+                    if continuous:
+                        chunk["usage"] = _usage_of(latest.values(), not score_only)
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                            "choices": [], "usage": _usage_of(latest.values(), not score_only)})
+
+        return _streaming(events())
+
+    async def collect():
+        finals = {}
+        async for i, out in _watch(request, _merge(streams)):
+            if out.finished:
+                finals[i] = out
+        return [finals[i] for i in range(len(streams))] if len(finals) == len(streams) else None
+
+    outs = await _run(request, collect())
+    choices = [choice for i, out in enumerate(outs) for choice in pieces(i, out)]
+    return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage_of(outs, not score_only)}
+
+
 # ---------------------------------------------------------------------- chat
 async def chat_completions(state: ServerState, body: ChatCompletionRequest, request: Request):
-    engine = _admit(state, body.model)
-    if body.chat_template is not None and not state.args.allow_request_chat_template:
-        raise APIError(400, "chat_template in a request is refused by this server (start it with "
-                            "--allow-request-chat-template to allow it)", param="chat_template")
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = apply_chat_template(state.tokenizer, messages, body.chat_template, body.add_generation_prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    except Exception as e:  # a template error (sandbox violation, bad syntax, raise_exception)
-        raise APIError(400, f"the chat template could not be rendered: {e}", param="messages") from None
-    ids = await _encode(state, prompt, add_special_tokens=False)
-    requested = body.max_completion_tokens or body.max_tokens
-    top = body.top_logprobs if body.logprobs else None
-    if body.top_logprobs is not None and not body.logprobs:
-        top = None
-    params = _sampling(state, body, _max_tokens(state, requested, len(ids)), (top or 0) if body.logprobs else None)
-
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    engine = _admit(state, body.model, body.n)
+    with _reservation(engine, body.n):
+        if body.chat_template is not None and not state.args.allow_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused by this server (start it with "
+                                "--allow-request-chat-template to allow it)", param="chat_template")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt = apply_chat_template(state.tokenizer, messages, body.chat_template, body.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # a template error (sandbox violation, bad syntax, raise_exception)
+            raise APIError(400, f"the chat template could not be rendered: {e}", param="messages") from None
+        ids = await _encode(state, prompt, add_special_tokens=False, param="messages")
+        requested = body.max_completion_tokens or body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling(state, body, _max_tokens(state, requested, len(ids), "messages"), top, body.prompt_logprobs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = engine.add(rid, ids, params, prompt, reserved=True)
     created = int(time.time())
-    stream = engine.generate(rid, ids, params, prompt)
+    names = state.token_text
+    as_ids = body.return_tokens_as_token_ids
 
     def logprob_entries(c, start: int):
         if not body.logprobs or c.logprobs is None:
             return None
-        content = []
-        for t, d in zip(c.token_ids[start:], c.logprobs[start:]):
-            s = d[t].decoded_token
-            tops = sorted((v for v in d.values() if v.rank <= (top or 0)), key=lambda v: v.rank)
-            content.append({"token": s, "logprob": d[t].logprob, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": v.decoded_token, "logprob": v.logprob,
-                                              "bytes": list(v.decoded_token.encode())} for v in tops]})
-        return {"content": content}
+        return {"content": chat_logprobs(names, c.token_ids[start:], c.logprobs[start:], top or 0, as_ids)}
 
-    def chunk(choices, usage=None):
+    def chunk(choices, usage=None, extra=None):
         body_ = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                 "choices": choices}
+                 "choices": choices, **(extra or {})}
         if usage is not None:
             body_["usage"] = usage
         return _sse(body_)
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
         async def events():
             sent_text: dict[int, str] = {}
@@ -331,6 +392,10 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
             async for _, out in _watch(request, _merge([stream])):
+                usage = _usage_of([out]) if continuous else None
+                if final is None and body.prompt_logprobs is not None:
+                    yield chunk([], usage, {"prompt_logprobs": prompt_logprobs(names, out.prompt_logprobs)})
+                final = out
                 for c in out.outputs:
                     prev = sent_text.get(c.index, "")
                     start = sent_tokens.get(c.index, 0)
@@ -339,13 +404,11 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                         sent_text[c.index], sent_tokens[c.index] = c.text, len(c.token_ids)
                         if delta or body.logprobs:
                             yield chunk([{"index": c.index, "delta": {"content": delta},
-                                          "logprobs": logprob_entries(c, start), "finish_reason": None}])
+                                          "logprobs": logprob_entries(c, start), "finish_reason": None}], usage)
                     if c.finish_reason is not None and c.index not in finished:
                         finished.add(c.index)
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-                if out.finished:
-                    final = out
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], usage)
             if include_usage and final is not None:
                 yield chunk([], _usage_of([final]))
 
@@ -360,8 +423,11 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprob_entries(c, 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                for c in out.outputs]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-            "choices": choices, "usage": _usage_of([out])}
+    response = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                "choices": choices, "usage": _usage_of([out])}
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs(names, out.prompt_logprobs)
+    return response
 
 
 # ---------------------------------------------------------------------- tokenizer endpoints
@@ -375,7 +441,7 @@ async def tokenize(state: ServerState, body: TokenizeRequest):
                                        None, body.add_generation_prompt)
         except Exception as e:
             raise APIError(400, f"the chat template could not be rendered: {e}", param="messages") from None
-        ids = await _encode(state, text, add_special_tokens=False)
+        ids = await _encode(state, text, add_special_tokens=False, param="messages")
     else:
         ids = await _encode(state, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.ready_engine().engine.max_model_len}

@@ -15,6 +15,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # vLLM's: usage so far on every chunk
 
 
 class _SamplingBody(_Body):
@@ -41,6 +42,8 @@ class _SamplingBody(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = None
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N", never ambiguous
 
     def to_sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -67,6 +70,7 @@ class _SamplingBody(_Body):
 
 class CompletionRequest(_SamplingBody):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: Optional[str] = None
