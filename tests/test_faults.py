@@ -13,8 +13,8 @@ from tests.conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import ModelOutput, Scheduler
 
 LONG = " ".join(PROMPTS)  # several blocks of 16 tokens
 
@@ -129,14 +129,24 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_models
     assert llm.generate(LONG, params)[0].num_cached_tokens >= 16
 
 
-def test_blocks_become_findable_only_once_computed():
-    kv = KVCacheManager(8, 4)
-    req = Request("a", list(range(9)), SamplingParams(), 1)
-    assert kv.allocate_slots(req, 9)
-    assert kv.get_computed_blocks(Request("b", list(range(9)), SamplingParams(), 1)) == []
-    req.num_computed_tokens = 9
-    kv.cache_computed_blocks(req)
-    assert len(kv.get_computed_blocks(Request("c", list(range(9)), SamplingParams(), 1))) == 2
+def test_blocks_of_a_step_that_never_finished_are_forgotten():
+    kv = KVCacheManager(16, 4)
+    sch = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    sch.add_request(Request("a", list(range(9)), SamplingParams(), 1))
+    sch.add_request(Request("b", list(range(9)), SamplingParams(), 1))
+    out = sch.schedule()
+    # Within the step, the second request shares the blocks the first one is computing.
+    assert out.scheduled[1].request.num_computed_tokens == 8
+    # The step raised before update(): the next schedule forgets those blocks.
+    sch.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    sch.schedule()
+    assert kv.get_computed_blocks(Request("c", list(range(9)), SamplingParams(), 1)) == []
+    # A step that finishes keeps them.
+    sch.add_request(Request("d", list(range(9)), SamplingParams(), 1))
+    done = sch.schedule()
+    sch.update(done, ModelOutput(sampled={"d": 1}))
+    sch.schedule()
+    assert len(kv.get_computed_blocks(Request("e", list(range(9)), SamplingParams(), 1))) == 2
 
 
 def test_prompt_logprobs_under_preemption_match_transformers(tiny_models):

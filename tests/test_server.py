@@ -345,6 +345,17 @@ def test_limits_sequences_and_chunked_bodies(tiny_models):
         assert httpx.post(url, json={"prompt": ["a"] * 4, "n": 2, "max_tokens": 1}).status_code == 200
         assert srv.metrics()["tokenmill:requests_rejected_total"] == 1
 
+        # A burst of simultaneous requests while the seat is taken: exactly the queue's 8 are admitted.
+        with httpx.stream("POST", url, json={"prompt": "a", "max_tokens": 400, "ignore_eos": True, "stream": True},
+                          timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)
+            with ThreadPoolExecutor(24) as pool:
+                codes = list(pool.map(lambda i: httpx.post(url, json={"prompt": f"b {i}", "max_tokens": 1},
+                                                           timeout=120).status_code, range(24)))
+        assert sorted(codes) == [200] * 8 + [429] * 16, codes
+        assert srv.metrics()["tokenmill:requests_rejected_total"] == 1 + 16
+
         def chunks():  # no Content-Length: sent with chunked transfer encoding
             yield b'{"prompt": "'
             for _ in range(30):

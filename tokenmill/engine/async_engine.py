@@ -252,18 +252,18 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, ids, params, arrival = cmd
-            self._count_pending(-params.n)
             stream = self._streams.get(rid)
-            if stream is None:  # the client left before the engine saw the request
-                return
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival, prompt_token_ids=ids)
+                if stream is not None:  # else the client left before the engine saw the request
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, prompt_token_ids=ids)
             except ValueError as e:
                 stream.put(e)
             except Exception as e:
                 logger.exception("could not add request %s", rid)
                 self.engine.abort_request(rid)
                 stream.put(RequestFailedError(f"the request could not be started ({type(e).__name__}: {e})"))
+            finally:  # only now: until the scheduler counts them, these places stay taken
+                self._count_pending(-params.n)
         elif kind == "abort":
             for out in self.engine.abort_request(cmd[1]):
                 if self.on_step is not None:

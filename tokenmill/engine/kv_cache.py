@@ -98,6 +98,10 @@ class BlockPool:
                     self._evict(b)
                 self.free[b.block_id] = b
 
+    def forget(self, b: Block) -> None:
+        """Make a block unfindable (its data is not what its hash promises); holders keep it."""
+        self._evict(b)
+
     def cache(self, b: Block, block_hash: BlockHash) -> None:
         if not self.enable_caching or b.block_hash is not None:
             return
@@ -118,6 +122,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
+        self._pending: dict[int, BlockHash] = {}  # block id -> hash, registered for a step not yet finished
         self.num_queried_tokens = 0  # prefix cache statistics, in tokens
         self.num_hit_tokens = 0
 
@@ -164,24 +169,44 @@ class KVCacheManager:
             req.block_ids.extend(b.block_id for b in computed)
             req.num_computed_tokens = num_computed
         req.block_ids.extend(b.block_id for b in self.pool.allocate(num_new_blocks))
+        # Blocks this step fills are findable at once, so that requests in the same step (n > 1, equal
+        # prompts) share them: the forward pass writes every token's KV before attention reads any. Until
+        # the step is confirmed they are only pending.
+        self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
-        """Register the blocks that the first num_tokens tokens fill; their KV must be written already."""
+        """Register the blocks that the first num_tokens tokens fill; those past the tokens already
+        computed stay pending until confirmed."""
         if not self.enable_caching:
             return
         self._extend_hashes(req)
         full = min(num_tokens // self.block_size, len(req.block_hashes))
+        computed = req.num_computed_tokens // self.block_size
         for i in range(req.num_cached_blocks, full):
-            self.pool.cache(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
+            block = self.pool.blocks[req.block_ids[i]]
+            if block.block_hash is None and i >= computed:
+                self._pending[block.block_id] = req.block_hashes[i]
+            self.pool.cache(block, req.block_hashes[i])
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register the blocks the request's computed tokens have filled. Only blocks whose KV a finished
-        forward pass wrote become findable: a step that fails or is interrupted leaves nothing behind
-        that a later prompt with the same prefix could read unwritten."""
-        if req.num_computed_tokens // self.block_size > req.num_cached_blocks:
+        """After a finished forward pass: the request's computed blocks are written, so confirmed; and
+        those that a burst of decode steps filled (they had no tokens yet at allocation) are registered."""
+        bs = self.block_size
+        for i in range(req.num_computed_tokens // bs):
+            self._pending.pop(req.block_ids[i], None)
+        if req.num_computed_tokens // bs > req.num_cached_blocks:
             self._cache_full_blocks(req, req.num_computed_tokens)
+
+    def drop_unwritten(self) -> None:
+        """Forget blocks registered for a step that never finished (it raised, or was interrupted): a
+        later prompt with the same prefix must compute them, not read KV that was never written."""
+        for block_id, block_hash in self._pending.items():
+            block = self.pool.blocks[block_id]
+            if block.block_hash == block_hash:
+                self.pool.forget(block)
+        self._pending.clear()
 
     def free(self, req: Request) -> None:
         """Release a finished, aborted or preempted request's blocks, tail first so prefixes outlive tails."""

@@ -67,6 +67,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        self.kv.drop_unwritten()  # blocks of a step that raised before update() never got their KV
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.time()
