@@ -67,15 +67,14 @@ def _configs(vocab: int):
 ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3"]
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, str]:
-    """Folder path per architecture name."""
+def save_tiny_models(root, configs) -> dict[str, str]:
+    """Random-weight models of the given configs (a function of the vocabulary size), each saved with the
+    small tokenizer as a folder under root; folder path per name."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("tiny")
     tok = make_tokenizer(str(root / "tokenizer"))
     paths = {}
-    for name, cfg in _configs(len(tok)).items():
+    for name, cfg in configs(len(tok)).items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         folder = str(root / name)
@@ -83,6 +82,12 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         tok.save_pretrained(folder)
         paths[name] = folder
     return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Folder path per architecture name."""
+    return save_tiny_models(tmp_path_factory.mktemp("tiny"), _configs)
 
 
 @pytest.fixture(scope="session")

@@ -85,16 +85,23 @@ def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_request
     assert [h.outputs[0].token_ids for h in hits] == [e.outputs[0].token_ids for e in expected]
 
 
-def test_bursts_stop_where_single_steps_stop(tiny_models):
-    """max_tokens, stop tokens, EOS and stop strings that fall inside a burst end each request exactly
-    where single steps end it; the steps a burst ran past a stop leave no blocks behind."""
+def _single_and_burst(tiny_models, num_prompts: int, max_tokens: int):
+    """Engines taking single steps and bursts, the burst lengths recorded, prompts, and each prompt's
+    free-running greedy completion (to place stops inside bursts)."""
     folder = tiny_models["llama"]
     single, burst = _llm(folder, 1), _llm(folder, 8)
     lengths = _count_bursts(burst)
     tok = single.get_tokenizer()
-    prompts = [tok.encode(p) for p in PROMPTS[:4]]
-    free = single.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    gen = [o.outputs[0] for o in free]
+    prompts = [tok.encode(p) for p in PROMPTS[:num_prompts]]
+    free = single.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                           use_tqdm=False)
+    return single, burst, lengths, prompts, [o.outputs[0] for o in free]
+
+
+def test_bursts_stop_where_single_steps_stop(tiny_models):
+    """max_tokens, stop tokens, EOS and stop strings that fall inside a burst end each request exactly
+    where single steps end it; the steps a burst ran past a stop leave no blocks behind."""
+    single, burst, lengths, prompts, gen = _single_and_burst(tiny_models, 4, 40)
     params = [
         SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[gen[1].token_ids[11]], ignore_eos=True),
@@ -220,13 +227,7 @@ def test_streamed_bursts_hand_on_each_step_from_inside_the_kernel(tiny_models):
     """With a stream attached, a burst calls back into the engine after every step: each output carries one
     token more, and tokens, text and stops are those of single steps. A failure in the callback leaves the
     parallel region cleanly and reaches the caller."""
-    folder = tiny_models["llama"]
-    single, burst = _llm(folder, 1), _llm(folder, 8)
-    lengths = _count_bursts(burst)
-    tok = single.get_tokenizer()
-    prompts = [tok.encode(p) for p in PROMPTS[:3]]
-    free = single.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
-    gen = [o.outputs[0] for o in free]
+    single, burst, lengths, prompts, gen = _single_and_burst(tiny_models, 3, 30)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, stop=[gen[1].text[len(gen[1].text) // 2:][:3]],
                              ignore_eos=True),

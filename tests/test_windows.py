@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import PROMPTS, make_tokenizer
+from tests.conftest import PROMPTS, save_tiny_models
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.llama import layer_windows
@@ -36,26 +36,14 @@ def _window_configs(vocab: int) -> dict:
 
 @pytest.fixture(scope="module")
 def window_models(tmp_path_factory) -> dict[str, str]:
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("windows")
-    tok = make_tokenizer(str(root / "tokenizer"))
-    paths = {}
-    for name, cfg in _window_configs(len(tok)).items():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        folder = str(root / name)
-        model.save_pretrained(folder)
-        tok.save_pretrained(folder)
-        if name == "qwen2-max-window-layers":
-            # As released Qwen2.5 configs: no layer_types, only use_sliding_window and max_window_layers.
-            path = os.path.join(folder, "config.json")
-            with open(path) as f:
-                c = json.load(f)
-            del c["layer_types"]
-            with open(path, "w") as f:
-                json.dump(c, f)
-        paths[name] = folder
+    paths = save_tiny_models(tmp_path_factory.mktemp("windows"), _window_configs)
+    # As released Qwen2.5 configs: no layer_types, only use_sliding_window and max_window_layers.
+    path = os.path.join(paths["qwen2-max-window-layers"], "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    del c["layer_types"]
+    with open(path, "w") as f:
+        json.dump(c, f)
     return paths
 
 
