@@ -100,13 +100,125 @@ def test_roofline_counts_the_bytes_each_token_reads(tiny_models, arch):
         100 * r["decode_achieved_GBps"] / r["memory_bandwidth_GBps"])
 
 
+FAKE_LLAMA_BENCH = """#!{python}
+# Stands in for llama.cpp's llama-bench: logs its arguments, prints a JSON array shaped like `-o json`.
+import json, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+opt = dict(zip(args[::2], args[1::2]))
+n_prompt, n_gen, n_depth = int(opt["-p"]), int(opt["-n"]), int(opt.get("-d", 0))
+with open({log!r}) as f:
+    calls = [json.loads(line) for line in f]
+same = sum(1 for a in calls if dict(zip(a[::2], a[1::2])).get("-p") == opt["-p"]
+           and dict(zip(a[::2], a[1::2])).get("-n") == opt["-n"])
+figures = {figures!r}["tg" if n_gen else "pp"]
+ts = figures[(same - 1) % len(figures)]
+tokens = n_gen or n_prompt
+print("load_backend: loaded CPU backend", file=sys.stderr)
+print(json.dumps([{{
+    "build_commit": "fake123", "build_number": 1, "cpu_info": "fake CPU", "gpu_info": "", "backends": "CPU",
+    "model_filename": opt["-m"], "model_type": "llama 135M Q4_1", "model_size": 85000000,
+    "model_n_params": 134515008, "n_batch": 2048, "n_ubatch": 512, "n_threads": int(opt["-t"]),
+    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "type_k": "f16", "type_v": "f16", "n_gpu_layers": 99,
+    "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False, "flash_attn": False, "tensor_split": "0.00",
+    "use_mmap": True, "embeddings": False, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": n_depth,
+    "test_time": "2025-01-01T00:00:00Z", "avg_ns": int(tokens / ts * 1e9), "stddev_ns": 0, "avg_ts": ts,
+    "stddev_ts": 0.0, "samples_ns": [int(tokens / ts * 1e9)], "samples_ts": [ts]}}], indent=2))
+"""
+# Figures the fake reports, in call order per test type (the first call of each is the warm-up round).
+FAKE_FIGURES = {"tg": [1.0, 30.0, 10.0, 20.0], "pp": [2.0, 600.0, 400.0, 500.0]}
+
+
+def fake_llama_bench(folder, figures=FAKE_FIGURES):
+    """An executable llama-bench in folder/bin; returns (its path, the file its calls are logged to)."""
+    import sys
+
+    log = folder / "calls.jsonl"
+    exe = folder / "bin" / "llama-bench"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, log=str(log), figures=figures))
+    exe.chmod(0o755)
+    return exe, log
+
+
+def logged_calls(log) -> list[list[str]]:
+    import json
+
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_llama_bench_invocation_and_figures(tmp_path, monkeypatch):
+    """llama.cpp runs through llama-bench: tg after a 32-token context for decode and pp for prefill, with
+    the given threads and model file, one timed repetition a round, JSON out; each figure is the median of
+    avg_ts over the rounds after the warm-up round."""
+    import argparse
+
+    from tokenmill.bench import compare
+
+    exe, log = fake_llama_bench(tmp_path)
+    found, _ = compare.find_llama_bench(str(tmp_path))
+    assert found == str(exe)
+    assert compare.find_llama_bench(str(tmp_path / "elsewhere"))[0] is None
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))  # default folder: empty; PATH: the fake
+    monkeypatch.setenv("PATH", str(exe.parent))
+    assert compare.find_llama_bench()[0] == str(exe)
+
+    llama = compare.LlamaBench(str(exe), "/models/m.gguf", threads=3)
+    args = argparse.Namespace(decode_tokens=16, prefill_len=64)
+    assert compare.measure([llama], "decode", 49152, 3, args) == {"llama.cpp": 20.0}
+    assert compare.measure([llama], "prefill", 49152, 3, args) == {"llama.cpp": 500.0}
+    calls = logged_calls(log)
+    assert len(calls) == 8
+    assert calls[0] == ["-m", "/models/m.gguf", "-p", "0", "-n", "16", "-d", "32", "-t", "3", "-r", "1",
+                        "-o", "json"]
+    assert calls[4] == ["-m", "/models/m.gguf", "-p", "64", "-n", "0", "-d", "0", "-t", "3", "-r", "1",
+                        "-o", "json"]
+    assert calls[:4] == [calls[0]] * 4 and calls[4:] == [calls[4]] * 4
+    assert "llama 135M Q4_1" in llama.describe() and "fake123" in llama.describe()
+    with pytest.raises(ValueError):
+        compare.parse_llama_bench_json("error: failed to load model")
+
+
+def test_transformers_runs_in_its_own_process(tiny_models):
+    """The transformers runner is a child process running transformers' generate: every requested token is
+    generated, the command-line form prints them as JSON, and the served form counts each request's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tokenmill.bench.compare import TransformersProcess
+
+    folder = tiny_models["llama"]
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.bench.hf_runner", folder, "--dtype", "float32",
+                           "--threads", "1", "--prompt-len", "5", "--new-tokens", "7", "--batch-size", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    once = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert once["tokens"] == once["generated"] == 14 and once["threads"] == 1 and once["dtype"] == "float32"
+
+    with TransformersProcess(folder, "float32", threads=1) as hf:
+        assert hf.info["pid"] != os.getpid() and hf.info["threads"] == 1
+        seconds, tokens = hf.run(random_requests(5, (3, 12), (4, 4), 400, seed=8))
+        assert seconds > 0 and tokens == hf.last["generated"] == 20
+        hf.batch_size = 4
+        mixed = random_requests(4, (3, 12), (2, 6), 400, seed=9)
+        _, tokens = hf.run(mixed)
+        assert tokens == sum(r.output_len for r in mixed)
+        assert hf.last["generated"] == 4 * max(r.output_len for r in mixed)  # one batch, the longest output
+
+
 def test_compare_runs_each_engine_on_the_workload(tiny_models, tmp_path):
     """bench compare: transformers' static batches produce every requested token (left-padded prompts give
-    the same greedy tokens as each prompt alone), and the command writes a figure per engine and workload."""
+    the same greedy tokens as each prompt alone), and the command writes a figure per engine and workload:
+    transformers from its own process, llama.cpp from llama-bench on decode and prefill."""
     import json
     import subprocess
     import sys
 
+    import gguf
+    import numpy as np
     import torch
 
     from tests.conftest import hf_greedy
@@ -124,13 +236,50 @@ def test_compare_runs_each_engine_on_the_workload(tiny_models, tmp_path):
     batched = [row[-4:].tolist() for out in produced for row in out]
     assert batched == [alone[reqs.index(r)] for r in by_len]
 
+    exe, log = fake_llama_bench(tmp_path / "llama.cpp")
+    model = tmp_path / "m.gguf"  # llama-bench's model (the fake does not read it)
+    writer = gguf.GGUFWriter(str(model), "llama")
+    writer.add_tensor("w", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     out = tmp_path / "compare.json"
     proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "compare", folder, "--dtype", "float32",
                            "--workloads", "decode,prefill,throughput", "--repeats", "1", "--decode-tokens", "4",
                            "--prefill-len", "16", "--num-prompts", "6", "--input-len", "4-12", "--output-len", "2-6",
-                           "--hf-batch-size", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--hf-batch-size", "4", "--llama-cpp-dir", str(tmp_path / "llama.cpp"),
+                           "--llama-cpp-model", str(model), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
     assert set(results) == {"decode", "prefill", "throughput"}
-    assert all(set(figures) == {"tokenmill", "transformers"} and min(figures.values()) > 0
-               for figures in results.values())
+    assert set(results["throughput"]) == {"tokenmill", "transformers"}
+    assert all(set(results[w]) == {"tokenmill", "transformers", "llama.cpp"} for w in ("decode", "prefill"))
+    assert all(min(figures.values()) > 0 for figures in results.values())
+    assert results["decode"]["llama.cpp"] == 30.0 and results["prefill"]["llama.cpp"] == 600.0
+    calls = logged_calls(log)
+    assert [c[c.index("-n") + 1] for c in calls] == ["4", "4", "0", "0"]
+    assert [c[c.index("-p") + 1] for c in calls] == ["0", "0", "16", "16"]
+    assert all(c[c.index("-m") + 1] == str(model) and c[c.index("-t") + 1] == str(report["threads"])
+               for c in calls)
+    assert "llama 135M Q4_1" in report["engines"]["llama.cpp"] and "F32 x 1" in proc.stdout
+    assert "own process" in report["engines"]["transformers"]
+    assert "decode: tokenmill" in proc.stdout and "llama.cpp 30.0 output tok/s" in proc.stdout
+
+
+def test_compare_says_why_llama_cpp_is_left_out(tmp_path, monkeypatch):
+    """Without llama-bench (or without a GGUF file to give it) llama.cpp is skipped, saying why."""
+    from tokenmill.bench import compare
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    llama, note = compare.llama_cpp_peer("/m.gguf", 2, "cpu")
+    assert llama is None and note.startswith("skipped: llama-bench not found")
+    assert "build_llama_cpp.sh" in note and str(tmp_path / "cache" / "llama.cpp") in note
+    llama, note = compare.llama_cpp_peer("/m.gguf", 2, "cpu", enabled=False)
+    assert llama is None and "--no-llama-cpp" in note
+    exe, _ = fake_llama_bench(tmp_path / "llama.cpp")
+    llama, note = compare.llama_cpp_peer("/hf-folder", 2, "cpu", llama_cpp_dir=str(tmp_path / "llama.cpp"))
+    assert llama is None and "Hugging Face folder" in note

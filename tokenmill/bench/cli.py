@@ -59,16 +59,21 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     p.add_argument("--json", default=None)
     p.set_defaults(func=lambda a: _roofline(a, engine_kwargs))
 
-    p = bsub.add_parser("compare", help="tokenmill against transformers (and llama.cpp when installed)")
+    p = bsub.add_parser("compare", help="tokenmill against transformers and llama.cpp, each at its best")
     add_engine_args(p)
     p.add_argument("--workloads", default="decode,prefill,throughput")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds after the warm-up; each figure is their median")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prefill-len", type=int, default=500)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", default="32-512")
     p.add_argument("--output-len", default="32-256")
     p.add_argument("--hf-batch-size", type=int, default=None, help="transformers' static batch (default: swept)")
+    p.add_argument("--llama-cpp-dir", default=None,
+                   help="folder holding llama-bench (or bin/llama-bench); default: where "
+                        "benchmarks/build_llama_cpp.sh builds it, then PATH")
+    p.add_argument("--llama-cpp-model", default=None,
+                   help="GGUF file for llama.cpp (default: the file tokenmill loads, when it loads a GGUF)")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--plot", default=None, help="PNG of throughput against latency over a concurrency sweep")
     p.add_argument("--json", default=None)
@@ -139,39 +144,68 @@ def _roofline(args, engine_kwargs) -> int:
 
 
 def _compare(args, engine_kwargs) -> int:
+    import statistics
+
+    import torch
+
     from tokenmill.bench import compare
     from tokenmill.bench.datasets import parse_range
 
     args.input_range, args.output_range = parse_range(args.input_len), parse_range(args.output_len)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(workloads) - {"decode", "prefill", "throughput"}
+    if unknown:
+        raise SystemExit(f"unknown workloads: {', '.join(sorted(unknown))} (decode, prefill, throughput)")
     llm = _llm(args, engine_kwargs)
-    path, dtype, vocab = llm.engine.loaded.path, llm.engine.dtype, llm.engine.vocab_size
-    runners = [compare.TokenmillRunner(llm), compare.TransformersRunner(path, dtype, device=llm.engine.device)]
-    if not args.no_llama_cpp and path.endswith(".gguf") and compare.llama_cpp_available():
-        import torch
+    path, vocab, device = llm.engine.loaded.path, llm.engine.vocab_size, llm.engine.device
+    dtype = compare.dtype_name(llm.engine.dtype)
+    threads = torch.get_num_threads()
+    stored = f"GGUF: {compare.gguf_weight_types(path)}" if path.endswith(".gguf") else "Hugging Face folder"
+    engines = {"tokenmill": f"{path} ({stored}), run as {dtype}, {threads} threads, {device}"}
+    print(f"tokenmill:    {engines['tokenmill']}")
 
-        runners.append(compare.LlamaCppRunner(path, torch.get_num_threads()))
-    results = {}
-    for workload in args.workloads.split(","):
-        if workload == "throughput":
-            hf = runners[1]
-            hf.batch_size = args.hf_batch_size or compare.best_static_batch(hf, vocab, args)
-            print(f"transformers static batch size: {hf.batch_size}")
-            subset = [r for r in runners if r.name != "llama.cpp"]  # one request at a time: not comparable here
-            figures = compare.measure(subset, workload, vocab, args.repeats, args)
+    llama, llama_note = compare.llama_cpp_peer(path, threads, device, args.llama_cpp_dir, args.llama_cpp_model,
+                                               enabled=not args.no_llama_cpp)
+    hf = compare.TransformersProcess(path, dtype, threads, device=device)
+    try:
+        info = hf.info
+        engines["transformers"] = (f"{path} loaded by transformers {info['transformers']} as {info['dtype']}, "
+                                   f"{info['threads']} threads, {info['device']}, generate() in its own process "
+                                   f"(pid {info['pid']})")
+        print(f"transformers: {engines['transformers']}")
+        engines["llama.cpp"] = llama_note
+        print(f"llama.cpp:    {llama_note}")
+        runners = [compare.TokenmillRunner(llm), hf] + ([llama] if llama else [])
+        results, samples = {}, {}
+        for workload in workloads:
+            subset = runners
+            if workload == "throughput":
+                hf.batch_size = args.hf_batch_size or compare.best_static_batch(hf, vocab, args,
+                                                                                on_gpu=device.type == "cuda")
+                print(f"transformers static batch size: {hf.batch_size}")
+                if llama:
+                    print("llama.cpp: not in the throughput workload (llama-bench runs one sequence per test)")
+                subset = [r for r in runners if r is not llama]
+            runs = compare.measure_samples(subset, workload, vocab, args.repeats, args)
             hf.batch_size = 1
-        else:
-            figures = compare.measure(runners, workload, vocab, args.repeats, args)
-        results[workload] = figures
-        base = figures["tokenmill"]
-        unit = "output tok/s" if workload != "prefill" else "prompt tok/s"
-        print(f"{workload}: " + ", ".join(
-            f"{name} {value:.1f} {unit}" + ("" if name == "tokenmill" else f" (tokenmill {base / value:.2f}x)")
-            for name, value in figures.items()))
-    if args.plot:
-        from tokenmill.bench.plot import concurrency_sweep_plot
+            figures = {name: statistics.median(v) for name, v in runs.items()}
+            results[workload], samples[workload] = figures, runs
+            base = figures["tokenmill"]
+            unit = "output tok/s" if workload != "prefill" else "prompt tok/s"
+            print(f"{workload}: " + ", ".join(
+                f"{name} {value:.1f} {unit}" + ("" if name == "tokenmill" else f" (tokenmill {base / value:.2f}x)")
+                for name, value in figures.items()))
+        if llama and llama.last:
+            engines["llama.cpp"] = f"{llama_note}; {llama.describe()}"
+            print(f"llama.cpp:    {llama.describe()}")
+        if args.plot:
+            from tokenmill.bench.plot import concurrency_sweep_plot
 
-        concurrency_sweep_plot(llm, runners[1], args, args.plot)
+            concurrency_sweep_plot(llm, hf, args, args.plot)
+    finally:
+        hf.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": str(dtype), "results": results}, f, indent=2)
+            json.dump({"dtype": dtype, "threads": threads, "engines": engines, "results": results,
+                       "samples": samples}, f, indent=2)
     return 0
