@@ -194,3 +194,11 @@ def test_decodes_get_their_token_before_a_prompt_chunk():
     out = sch.schedule()
     got = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
     assert got == {"s0": 1, "s1": 1, "s2": 1, "long": 13}
+    for s in out.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+        if s.request is not long:
+            s.request.output_token_ids.append(7)
+    # With long_prefill_token_threshold, the chunk that shares a step with decodes is capped.
+    sch.long_prefill_token_threshold = 5
+    got = {s.request.request_id: s.num_new_tokens for s in sch.schedule().scheduled}
+    assert got == {"s0": 1, "s1": 1, "s2": 1, "long": 5}

@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of repeated prompt prefixes (default: on)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=512,
+                   help="while requests decode, cap one request's prompt chunk per step at this many tokens, so "
+                        "decodes are not held up by long prompts (default 512; 0: no cap)")
     g.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="greedy decode steps run back to back per engine step on the CPU kernels (default 8; 1: "
                         "one at a time, outputs token by token)")
@@ -32,6 +35,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_scheduler_steps=args.num_scheduler_steps,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enforce_eager=args.enforce_eager)
 
 

@@ -78,6 +78,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # While requests decode, one request's prompt chunk per step is at most this many tokens (0: no cap,
+    # the whole budget): a step lasts as long as its prompt tokens take, and every decode in it waits.
+    long_prefill_token_threshold: int = 512
     kv_cache_memory: int | str = "1GiB"
     block_size: int = 16
     seed: int = 0
@@ -97,6 +100,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be 0 (no cap) or a positive integer, got "
+                             f"{self.long_prefill_token_threshold}")
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):

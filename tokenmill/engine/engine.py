@@ -59,7 +59,7 @@ class LLMEngine:
 
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, config.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype, config.seed,
                                   decode_graphs=self.device.type == "cuda" and not config.enforce_eager,
                                   max_model_len=self.max_model_len)

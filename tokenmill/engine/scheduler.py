@@ -47,8 +47,10 @@ class ModelOutput:
 class Scheduler:
     """Owns request state: the waiting queue, the running list and their KV blocks."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.kv = kv
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -76,12 +78,14 @@ class Scheduler:
         # a long prompt never starves the decodes behind it; oldest first within each kind. When blocks
         # run out, the newest request not yet scheduled in this step is preempted.
         scheduled: set[str] = set()
+        decoding = False
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, decoding)
+            decoding = decoding or num_new == 1
             while not self.kv.allocate_slots(req, num_new):
                 victim = next((r for r in reversed(self.running) if r is not req and r.request_id not in scheduled),
                               req)
@@ -101,7 +105,7 @@ class Scheduler:
             req = self.waiting[0]
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             num_cached = len(computed) * self.kv.block_size
-            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens - num_cached, budget, decoding)
             if not self.kv.allocate_slots(req, num_new, computed):
                 break
             self.waiting.popleft()
@@ -116,6 +120,14 @@ class Scheduler:
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _chunk(self, owed: int, budget: int, decoding: bool) -> int:
+        """How many of a request's owed tokens this step computes: within the budget, and while requests
+        decode in this step, a prompt chunk no longer than long_prefill_token_threshold."""
+        num_new = min(owed, budget)
+        if decoding and self.long_prefill_token_threshold and num_new > 1:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return num_new
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req, num_new, samples=req.num_computed_tokens + num_new == req.num_tokens)
