@@ -12,6 +12,7 @@ import torch
 from tests.conftest import ARCHS, PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU decode kernels do not run here")
 
@@ -223,40 +224,24 @@ def _stream(llm, prompts, params) -> tuple[dict, dict]:
     return counts, finals
 
 
-def test_streamed_bursts_hand_on_each_step_from_inside_the_kernel(tiny_models):
-    """With a stream attached, a burst calls back into the engine after every step: each output carries one
-    token more, and tokens, text and stops are those of single steps. A failure in the callback leaves the
-    parallel region cleanly and reaches the caller."""
+def test_streamed_requests_take_single_steps_and_final_only_ones_bursts(tiny_models):
+    """With an output stream attached (the server), a request read as it goes takes one decode step at a
+    time, so each output carries one token more; requests read only at their end still run in bursts.
+    Both give the tokens, text and stops of single steps."""
     single, burst, lengths, prompts, gen = _single_and_burst(tiny_models, 3, 30)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, stop=[gen[1].text[len(gen[1].text) // 2:][:3]],
                              ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)]
     want = single.generate(prompts, params, use_tqdm=False)
-    counts, finals = _stream(burst, prompts, params)
-    assert lengths and max(lengths) == 8, lengths
-    for i, w in enumerate(want):
-        got = finals[f"s{i}"].outputs[0]
-        assert (got.token_ids, got.text, got.finish_reason) == (w.outputs[0].token_ids, w.outputs[0].text,
-                                                                w.outputs[0].finish_reason)
-        assert counts[f"s{i}"] == list(range(1, len(got.token_ids) + 1)), counts[f"s{i}"]
-    assert burst.engine.kv_manager.pool.num_free == burst.engine.num_blocks
-
-    # A callback that raises mid-burst: the error comes out of step(), and the engine still runs.
-    engine = burst.engine
-    engine.add_request("x", None, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                       prompt_token_ids=prompts[0])
-    engine.step()  # the prompt
-    calls = []
-
-    def failing(outputs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyError("emit failed")
-
-    with pytest.raises(KeyError, match="emit failed"):
-        engine.step(emit=failing)
-    assert len(calls) == 3  # the burst stopped at the failing step
-    engine.abort_request("x")
-    again = burst.generate(prompts[:1], params[:1], use_tqdm=False)
-    assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        lengths.clear()
+        counts, finals = _stream(burst, prompts, [p.clone(output_kind=kind) for p in params])
+        for i, w in enumerate(want):
+            got = finals[f"s{i}"].outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason) == (w.outputs[0].token_ids, w.outputs[0].text,
+                                                                    w.outputs[0].finish_reason)
+            if kind is RequestOutputKind.CUMULATIVE:
+                assert counts[f"s{i}"] == list(range(1, len(got.token_ids) + 1)), counts[f"s{i}"]
+        assert (max(lengths) == 8) if kind is RequestOutputKind.FINAL_ONLY else not lengths, (kind, lengths)
+        assert burst.engine.kv_manager.pool.num_free == burst.engine.num_blocks

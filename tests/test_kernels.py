@@ -227,7 +227,7 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
         "forward": lambda s: dec.forward(s["ids"], s["pos"], s["slots"], s["bt"], s["lens"]),
         "logits": lambda s: dec.logits(s["ids"], s["pos"], s["slots"], s["bt"], s["lens"], head),
         "decode_greedy": lambda s: dec.decode_greedy(s["ids"], s["pos"], s["slots"][None], s["bt"], s["lens"],
-                                                     head, [[], []], None),
+                                                     head, [[], []]),
     }
     padded = with_(bt=((0, 2), 10 ** 9))  # a column past request 0's length is never read
     want = entry_points["forward"](good)
@@ -240,12 +240,11 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
     # A burst: every step's slots, and the lengths its last step reaches, are checked before it starts.
     burst = dict(good, slots=torch.tensor([[5, 17], [6, 18], [64, 19]]))
     with pytest.raises(RuntimeError, match="cache slot 64"):
-        dec.decode_greedy(burst["ids"], burst["pos"], burst["slots"], burst["bt"], burst["lens"], head, [[], []],
-                          None)
+        dec.decode_greedy(burst["ids"], burst["pos"], burst["slots"], burst["bt"], burst["lens"], head, [[], []])
     slots = torch.tensor([[5, 17], [6, 18], [7, 19]])
     with pytest.raises(RuntimeError, match="sequence length 13 is not covered"):
-        dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], torch.tensor([6, 11]), head, [[], []], None)
+        dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], torch.tensor([6, 11]), head, [[], []])
     assert all(torch.equal(b, c) for b, c in zip(before, caches)), "a refused step wrote to the cache"
     assert torch.equal(entry_points["forward"](good), want)
-    tokens = dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], good["lens"], head, [[], []], None)
+    tokens = dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], good["lens"], head, [[], []])
     assert tokens.shape == (3, 2)

@@ -1,9 +1,10 @@
-"""A burst of decode steps hands each step's tokens on as soon as that step is done, so a streaming client
-sees every token when it is computed, not a burst's worth at a time.
+"""A streaming client gets every token as soon as it is computed: requests whose outputs are read as they
+come take one decode step at a time, while those read only at the end (FINAL_ONLY, the server's
+non-streaming requests) and offline generation keep bursts of decode steps.
 
-The compiled decoder is replaced by a stand-in that chooses fixed tokens, so that this runs on any CPU:
-what is checked is how the engine and the runner pass steps on, not the kernel's arithmetic (the kernel
-tests and tests/test_bursts.py check that where the kernels run)."""
+The compiled decoder's bursts are played by a stand-in that chooses fixed tokens, so that this runs on
+any CPU: what is checked is how the engine passes steps on, not the kernel's arithmetic (the kernel tests
+and tests/test_bursts.py check that where the kernels run)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ import asyncio
 from tests.conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.sampling_params import RequestOutputKind
 
 
 class StandIn:
-    """Plays the fused decoder's burst: step j gives every request tokens[j], calling on_step after each
-    step as the compiled decoder does, and stops when on_step says so."""
+    """Plays the fused decoder's burst: step j gives every request tokens[j]."""
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self.steps_run: list[int] = []
-        self.events: list[str] = []
 
     def clear_interrupt(self) -> None:
         pass
@@ -29,15 +29,10 @@ class StandIn:
     def interrupt(self) -> None:
         pass
 
-    def decode_greedy(self, input_ids, positions, slots, block_tables, seq_lens, lm_head, stop_ids, on_step=None):
+    def decode_greedy(self, input_ids, positions, slots, block_tables, seq_lens, lm_head, stop_ids):
         import torch
 
-        rows = []
-        for j in range(slots.shape[0]):
-            rows.append([self.tokens[j]] * input_ids.shape[0])
-            self.events.append(f"step {j}")
-            if on_step is not None and not on_step(rows[-1]):
-                break
+        rows = [[self.tokens[j]] * input_ids.shape[0] for j in range(slots.shape[0])]
         self.steps_run.append(len(rows))
         return torch.tensor(rows, dtype=torch.long)
 
@@ -60,42 +55,40 @@ def _llm_with_stand_in(tiny_models) -> tuple[LLM, StandIn]:
     return llm, fake
 
 
-def test_each_burst_step_reaches_the_stream_when_done(tiny_models):
-    llm, fake = _llm_with_stand_in(tiny_models)
+def _stream_through_async_engine(llm, params) -> list[int]:
+    """Token counts of the outputs a request's reader receives through the async engine (the server's)."""
     tok = llm.get_tokenizer()
 
     async def run():
-        engine = AsyncEngine(llm.engine, on_step=lambda outs, now: fake.events.append(
-            "emit " + ",".join(str(len(o.outputs[0].token_ids)) for o in outs)))
+        engine = AsyncEngine(llm.engine)
         engine.start()
         try:
-            params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
-            return [len(out.outputs[0].token_ids) async for out in engine.generate("r", tok.encode(PROMPTS[0]), params)]
+            stream = engine.generate("r", tok.encode(PROMPTS[0]), params)
+            return [len(out.outputs[0].token_ids) async for out in stream]
         finally:
             engine.shutdown()
 
-    counts = asyncio.run(run())
-    # One token per output: the first from the prompt's step, then 16 from bursts of 8, each step on its own.
+    return asyncio.run(run())
+
+
+def test_a_streamed_request_gets_each_token_on_its_own(tiny_models):
+    llm, fake = _llm_with_stand_in(tiny_models)
+    counts = _stream_through_async_engine(llm, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))
     assert counts == list(range(1, 18)), counts
+    assert fake.steps_run == []  # no burst: each step's token went out before the next step ran
+
+
+def test_a_request_read_at_its_end_keeps_bursts(tiny_models):
+    llm, fake = _llm_with_stand_in(tiny_models)
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    assert _stream_through_async_engine(llm, params) == [17]  # the final output alone
     assert fake.steps_run == [8, 8]
-    # Each step's output went out before the next step ran (inside the burst, not after it).
-    bursts = fake.events[fake.events.index("step 0"):]
-    assert bursts[:4] == ["step 0", "emit 2", "step 1", "emit 3"], bursts
 
 
-def test_offline_bursts_report_once_and_stop_where_a_stop_string_ends_them(tiny_models):
+def test_offline_bursts_report_once(tiny_models):
     llm, fake = _llm_with_stand_in(tiny_models)
     engine = llm.engine
-    stop = "bc"  # completed by the third token of a burst
     engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     engine.step()  # the prompt
     outs = engine.step()  # a burst of 8 without a stream: one output with all of them
     assert [len(o.outputs[0].token_ids) for o in outs] == [9] and fake.steps_run == [8]
-
-    engine.abort_request("a")
-    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
-    engine.step()
-    seen = []
-    engine.step(emit=seen.extend)
-    # Streaming: the step that completes the stop string ends the burst there.
-    assert fake.steps_run[-1] == 3 and seen[-1].finished and seen[-1].outputs[0].finish_reason == "stop"

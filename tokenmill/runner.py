@@ -52,14 +52,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_burst(self, sched: SchedulerOutput, steps: int, interrupted: Callable[[], bool],
-                      on_step: Callable[[ModelOutput], bool], stream: bool = False) -> bool:
+                      on_step: Callable[[ModelOutput], bool]) -> bool:
         """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
         fused decoder; every request's blocks must already hold the slots of all the steps. Each step's
-        sampled tokens go to on_step, which returns whether any request still wants tokens: with `stream`
-        as soon as the step is done (from inside the call), else all after it. Returns False (nothing run)
-        where the fused decoder does not run this batch or interrupted() already holds. The burst ends
-        early when every request has produced a stop token, when on_step says so, or after the step
-        running when interrupt() is called."""
+        sampled tokens then go to on_step in order, until it returns False (no request wants more). Returns
+        False (nothing run) where the fused decoder does not run this batch or interrupted() already holds.
+        The burst ends early when every request has produced a stop token, or after the step running when
+        interrupt() is called."""
         if not self.supports_bursts:
             return False
         items = sched.scheduled
@@ -71,24 +70,19 @@ class ModelRunner:
         slots = torch.tensor([[self._slot(s.request, s.request.num_computed_tokens + j) for s in items]
                               for j in range(steps)], dtype=torch.long)
         stop_ids = [s.request.sampling_params.ending_token_ids for s in items]
-        ids = [s.request.request_id for s in items]
-
-        def step_done(row: list[int]) -> bool:
-            return on_step(ModelOutput(sampled=dict(zip(ids, row))))
-
         fused.clear_interrupt()
         self._burst = fused  # from here on interrupt() reaches it; before, interrupted() tells
         try:
             if interrupted():
                 return False
             tokens = fused.decode_greedy(input_ids, positions, slots, meta.decode_block_tables, meta.decode_seq_lens,
-                                         self.model.output_weight().detach(), stop_ids, step_done if stream else None)
+                                         self.model.output_weight().detach(), stop_ids)
         finally:
             self._burst = None
-        if not stream:
-            for row in tokens.tolist():
-                if not step_done(row):
-                    break
+        ids = [s.request.request_id for s in items]
+        for row in tokens.tolist():
+            if not on_step(ModelOutput(sampled=dict(zip(ids, row)))):
+                break
         return True
 
     def interrupt(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 # Bounds that keep one request from exhausting the server; generous for offline use.
@@ -14,6 +15,13 @@ MAX_STOP_STRING_LEN = 256
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's consumer reads: its state after every step (streaming), or only its end."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -40,6 +48,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # FINAL_ONLY: nobody reads the request's outputs before it ends, so its tokens need not be handed on one
+    # step at a time, and the engine may run decode steps back to back for it.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer / generation_config, not by users.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tokenmill")
 
@@ -34,6 +34,7 @@ class RequestFailedError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    final_only: bool = False  # its reader wants the final output alone
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -133,7 +134,8 @@ class AsyncEngine:
         queue were taken by try_reserve()."""
         if self.is_dead:
             raise EngineDeadError("the engine has stopped after an internal error")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
+                         params.output_kind is RequestOutputKind.FINAL_ONLY)
         self._streams[request_id] = stream
         if not reserved:
             self._count_pending(params.n)
@@ -215,7 +217,7 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
+            if stream is not None and (out.finished or not stream.final_only):
                 item = RequestFailedError(out.error) if out.error is not None else out
                 by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in by_loop.items():

@@ -18,7 +18,7 @@ from tokenmill.model.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner import ModelRunner, kv_bytes_per_block
 from tokenmill.sample.sampler import needs_processing
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tokenmill")
 
@@ -146,10 +146,11 @@ class LLMEngine:
         """Schedule, run one forward pass over the mixed batch, sample, and report what changed.
 
         A batch of greedy decodes with nothing waiting may run up to config.num_scheduler_steps steps
-        back to back (a burst) in one call of the fused CPU decoder; each step's tokens are taken as a step
-        of their own would take them. With `emit`, each step's outputs go to it as soon as that step is
-        done (a streaming client sees every token when it is computed) and step() returns nothing; without
-        it each request reports once, with all its new tokens."""
+        back to back (a burst) in one call of the fused CPU decoder; each step's tokens are then taken as
+        a step of their own would take them. With `emit`, every step's outputs go to it in order and
+        step() returns nothing; a burst then runs only if no scheduled request streams (each streamed
+        token must reach its client as soon as it is computed). Without it each request reports once,
+        with all its new tokens."""
         sched = self.scheduler.schedule()
         latest: dict[str, RequestOutput] = {}
 
@@ -161,9 +162,8 @@ class LLMEngine:
                 latest.update((out.request_id, out) for out in outputs)
             return any(not s.request.is_finished for s in sched.scheduled)
 
-        steps = self._burst_steps(sched)
-        if not (steps > 1 and self.runner.execute_burst(sched, steps, self._interrupted.is_set, take,
-                                                         stream=emit is not None)):
+        steps = self._burst_steps(sched, streaming=emit is not None)
+        if not (steps > 1 and self.runner.execute_burst(sched, steps, self._interrupted.is_set, take)):
             take(self.runner.execute(sched) if not sched.is_empty else ModelOutput())
         self.last_step = sched
         return list(latest.values())
@@ -181,17 +181,18 @@ class LLMEngine:
             outputs.append(self.output_processor.fail(parent_id, error))
         return outputs
 
-    def _burst_steps(self, sched) -> int:
+    def _burst_steps(self, sched, streaming: bool) -> int:
         """How many decode steps this step may run back to back: 1 unless every scheduled request decodes
-        plain greedily and nothing waits; never past a request's max_tokens or the context length, and
-        only as far as free KV blocks hold every request's tokens."""
+        plain greedily, nothing waits and (with `streaming` consumers) none streams; never past a request's
+        max_tokens or the context length, and only as far as free KV blocks hold every request's tokens."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
                 or self._interrupted.is_set()):
             return 1
         for s in sched.scheduled:
             req = s.request
-            if s.num_new_tokens != 1 or not s.samples or needs_processing(req):
+            if s.num_new_tokens != 1 or not s.samples or needs_processing(req) or (
+                    streaming and req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         if steps > 1 and all(self.kv_manager.allocate_slots(s.request, steps) for s in sched.scheduled):

@@ -11,7 +11,6 @@
 // Every entry point releases the GIL: the server's event loop keeps running while a step computes.
 
 #include <torch/extension.h>
-#include <pybind11/functional.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -25,8 +24,6 @@
 #include <cstdint>
 #include <cstring>
 #include <atomic>
-#include <exception>
-#include <functional>
 #include <chrono>
 #include <thread>
 #include <type_traits>
@@ -726,9 +723,6 @@ void check_block_tables(const int64_t* bt, const int64_t* lens, int64_t B, int64
   }
 }
 
-// Called with a burst step's tokens; returns whether the burst goes on.
-using StepCallback = std::function<bool(const std::vector<int64_t>&)>;
-
 class FusedDecoder {
  public:
   // embed [vocab, hidden] bf16: the token embedding; cos, sin [positions, head_dim] float32: the rotary
@@ -795,20 +789,17 @@ class FusedDecoder {
   // lm_head^T [vocab, hidden] in bf16, as linear_bf16 and argmax_rows compute them for the sampler) as
   // its next input. The call ends early after a step in which every request has produced one of its
   // stop_ids, or once interrupt() has been called (from any thread; the step running completes).
-  // on_step, where given, is called with each step's tokens as soon as the step is done, on the calling
-  // thread (so it may run Python) while the others wait; it returns whether the burst goes on.
   // Returns the tokens [steps done, B].
   torch::Tensor decode_greedy(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor lm_head,
-                              std::vector<std::vector<int64_t>> stop_ids, StepCallback on_step) {
+                              std::vector<std::vector<int64_t>> stop_ids) {
     const int64_t B = input_ids.size(0), steps = slots.size(0);
     TORCH_CHECK(slots.dim() == 2 && slots.size(1) == B && (int64_t)stop_ids.size() == B, "slots: [steps, batch]");
     TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
                 "lm_head: bf16 [vocab, hidden]");
     Burst burst{input_ids.to(torch::kLong).clone(), positions.to(torch::kLong).clone(),
                 seq_lens.to(torch::kLong).clone(), slots.to(torch::kLong).contiguous(), lm_head.contiguous(),
-                torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false),
-                std::move(on_step)};
+                torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false)};
     TORCH_CHECK(burst.ids.size(0) == B && burst.pos.size(0) == B && burst.lens.size(0) == B &&
                 block_tables.size(0) == B, "batch mismatch");
     check_bounds(burst.slots, block_tables, burst.lens, std::max<int64_t>(steps - 1, 0));
@@ -822,9 +813,7 @@ class FusedDecoder {
         const bf16* rows = logits.data_ptr<bf16>();
         const int64_t V = logits.size(1);
         for (int64_t b = 0; b < B; ++b) burst.take(done, b, argmax_row(rows + b * V, V));
-        const bool wanted = burst.report(done);
-        burst.rethrow();
-        if (!burst.go_on(++done, steps, interrupted_.load()) || !wanted) break;
+        if (!burst.go_on(++done, steps, interrupted_.load())) break;
       }
     }
     return burst.tokens.slice(0, 0, done);
@@ -924,23 +913,6 @@ class FusedDecoder {
     torch::Tensor ids, pos, lens, slots, lm_head, tokens;
     std::vector<std::vector<int64_t>> stop_ids;
     std::vector<bool> stopped;
-    StepCallback on_step;
-    std::exception_ptr error;  // what on_step threw, rethrown once no thread waits at a barrier
-    // Hands step `step`'s tokens to on_step; whether the caller wants more steps. Never throws.
-    bool report(int64_t step) {
-      if (!on_step) return true;
-      const int64_t B = ids.size(0);
-      const int64_t* row = tokens.data_ptr<int64_t>() + step * B;
-      try {
-        return on_step(std::vector<int64_t>(row, row + B));
-      } catch (...) {
-        error = std::current_exception();
-        return false;
-      }
-    }
-    void rethrow() const {
-      if (error) std::rethrow_exception(error);
-    }
     // Request b's token of step `step`: recorded, and its next input.
     void take(int64_t step, int64_t b, int64_t t) {
       const int64_t B = ids.size(0);
@@ -1168,10 +1140,7 @@ class FusedDecoder {
       begin_step(s, burst.ids.data_ptr<int64_t>(), burst.pos.data_ptr<int64_t>(), x);
       plan = attention_plan(s, threads);
     };
-    // The caller's thread combines each step and reports it: a callback into Python must run there.
-    std::atomic<int> lead{0};
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
-      if (at::get_thread_num() == 0) lead.store(w);  // read only after the step's first barrier
       const auto stream = stream_with_head(w, n, burst.lm_head);
       Walks walks(stream, B, true);
       ThreadState ts(D_);
@@ -1184,7 +1153,7 @@ class FusedDecoder {
           best[w * B + b] = {i, i >= 0 ? static_cast<float>(row[i]) : 0.f};
         }
         barrier.wait(n);
-        if (w == lead.load()) {
+        if (w == 0) {
           for (int64_t b = 0; b < B; ++b) {
             int64_t pick = -1;
             float top = 0.f;
@@ -1199,14 +1168,12 @@ class FusedDecoder {
             }
             burst.take(done, b, pick);
           }
-          const bool wanted = burst.report(done);
-          more = burst.go_on(++done, steps, interrupted_.load()) && wanted;
+          more = burst.go_on(++done, steps, interrupted_.load());
           if (more) next_step();
         }
         barrier.wait(n);
       }
     });
-    burst.rethrow();
     return done;
   }
 

@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 class _Body(BaseModel):
@@ -65,7 +65,8 @@ class _SamplingBody(_Body):
             logit_bias=bias, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
+            include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
 class CompletionRequest(_SamplingBody):
