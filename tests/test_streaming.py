@@ -13,7 +13,6 @@ import asyncio
 from tests.conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.sampling_params import RequestOutputKind
 
 
 class StandIn:
@@ -79,6 +78,8 @@ def test_a_streamed_request_gets_each_token_on_its_own(tiny_models):
 
 
 def test_a_request_read_at_its_end_keeps_bursts(tiny_models):
+    from tokenmill.sampling_params import RequestOutputKind
+
     llm, fake = _llm_with_stand_in(tiny_models)
     params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     assert _stream_through_async_engine(llm, params) == [17]  # the final output alone
