@@ -326,7 +326,7 @@ def test_disconnect_non_streaming_aborts_at_once(server):
 
 def test_limits_sequences_and_chunked_bodies(tiny_models):
     srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--max-queued-requests", "8",
-                        "--max-num-seqs", "1", "--max-body-bytes", "100000")
+                        "--max-num-seqs", "1", "--max-body-bytes", "100000", "--body-read-timeout", "1")
     try:
         url = srv.url + "/v1/completions"
         # More sequences (prompts x n) than the whole queue holds: never admissible, so 400 with the reason.
@@ -367,6 +367,20 @@ def test_limits_sequences_and_chunked_bodies(tiny_models):
         small = httpx.post(url, content=iter([b'{"prompt": "hi", ', b'"max_tokens": 1}']),
                            headers={"content-type": "application/json"})
         assert small.status_code == 200, small.text
+
+        # A client that sends the headers and half its body, then stalls: 408 after the body timeout, and
+        # the connection is closed instead of held.
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", srv.port)) as stalled:
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            stalled.settimeout(10)
+            answer = b""
+            while chunk := stalled.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b'"code": 408' in answer, answer
+        assert 0.9 < time.monotonic() - start < 5
+        assert httpx.post(url, json={"prompt": "a", "max_tokens": 1}).status_code == 200
     finally:
         assert srv.stop() == 0
 

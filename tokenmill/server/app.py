@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -99,11 +100,13 @@ def _default_name(model: str | None) -> str:
 
 
 # ---------------------------------------------------------------------- body size limit
-class BodySizeLimit:
-    """Refuse bodies over the limit with 413, whether or not they declare their length."""
+class BodyLimits:
+    """Refuse bodies over the size limit with 413, whether or not they declare their length, and bodies
+    that take longer than read_timeout seconds to arrive with 408 (closing the connection), so that slow
+    senders cannot hold the server's connections."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, read_timeout: float) -> None:
+        self.app, self.limit, self.read_timeout = app, limit, read_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -115,8 +118,14 @@ class BodySizeLimit:
         # The whole body is read here, before the app: an exception raised while FastAPI reads it would
         # become a 400 "error parsing the body", and a chunked body declares no length to check first.
         chunks, seen = [], 0
+        deadline = asyncio.get_running_loop().time() + self.read_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await _send_json(send, 408, error_body(
+                    f"the request body did not arrive within {self.read_timeout:g} s", "invalid_request_error", 408),
+                    close=True)
             if message["type"] != "http.request":  # the client left before it finished sending
                 return
             chunks.append(message.get("body", b""))
@@ -138,12 +147,14 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
-async def _send_json(send, status: int, body: dict) -> None:
+async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
     import json
 
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
 
@@ -336,7 +347,7 @@ def run_server(args) -> int:
     _configure_logging()
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())
     state = ServerState(args, engine_kwargs(args))
-    app = BodySizeLimit(build_app(state), args.max_body_bytes)
+    app = BodyLimits(build_app(state), args.max_body_bytes, args.body_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout + 0.999)), access_log=False)
     server = _graceful_server_class()(config)

@@ -16,6 +16,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (default 4 MiB)")
+    g.add_argument("--body-read-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive before a 408 (default 30)")
     g.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context length)")
     g.add_argument("--allow-request-chat-template", action="store_true",
