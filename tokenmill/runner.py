@@ -51,22 +51,21 @@ class ModelRunner:
         self.supports_bursts = hasattr(model, "_fused_decoder") and device.type == "cpu" and dtype == torch.bfloat16
 
     @torch.inference_mode()
-    def execute_burst(self, sched: SchedulerOutput, steps: int, interrupted: Callable[[], bool],
-                      on_step: Callable[[ModelOutput], bool]) -> bool:
+    def execute_burst(self, sched: SchedulerOutput, steps: int,
+                      interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
         """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
-        fused decoder; every request's blocks must already hold the slots of all the steps. Each step's
-        sampled tokens then go to on_step in order, until it returns False (no request wants more). Returns
-        False (nothing run) where the fused decoder does not run this batch or interrupted() already holds.
-        The burst ends early when every request has produced a stop token, or after the step running when
-        interrupt() is called."""
+        fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
+        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch or
+        interrupted() already holds. The burst ends early when every request has produced a stop token,
+        or after the step running when interrupt() is called."""
         if not self.supports_bursts:
-            return False
+            return None
         items = sched.scheduled
         input_ids, positions, meta, _ = self._prepare(items)
         fused = self.model._fused_decoder(self.kv_caches, meta)
         if fused is None:  # no kernels on this CPU, or a shape they do not take
             self.supports_bursts = False
-            return False
+            return None
         slots = torch.tensor([[self._slot(s.request, s.request.num_computed_tokens + j) for s in items]
                               for j in range(steps)], dtype=torch.long)
         stop_ids = [s.request.sampling_params.ending_token_ids for s in items]
@@ -74,16 +73,13 @@ class ModelRunner:
         self._burst = fused  # from here on interrupt() reaches it; before, interrupted() tells
         try:
             if interrupted():
-                return False
+                return None
             tokens = fused.decode_greedy(input_ids, positions, slots, meta.decode_block_tables, meta.decode_seq_lens,
                                          self.model.output_weight().detach(), stop_ids)
         finally:
             self._burst = None
         ids = [s.request.request_id for s in items]
-        for row in tokens.tolist():
-            if not on_step(ModelOutput(sampled=dict(zip(ids, row)))):
-                break
-        return True
+        return [ModelOutput(sampled=dict(zip(ids, row))) for row in tokens.tolist()]
 
     def interrupt(self) -> None:
         """End a running burst after its current step (any thread)."""

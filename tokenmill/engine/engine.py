@@ -154,17 +154,16 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         latest: dict[str, RequestOutput] = {}
 
-        def take(result: ModelOutput) -> bool:
+        steps = self._burst_steps(sched, streaming=emit is not None)
+        results = self.runner.execute_burst(sched, steps, self._interrupted.is_set) if steps > 1 else None
+        if results is None:
+            results = [self.runner.execute(sched) if not sched.is_empty else ModelOutput()]
+        for result in results:
             outputs = self._take(sched, result)
             if emit is not None:
                 emit(outputs)
             else:
                 latest.update((out.request_id, out) for out in outputs)
-            return any(not s.request.is_finished for s in sched.scheduled)
-
-        steps = self._burst_steps(sched, streaming=emit is not None)
-        if not (steps > 1 and self.runner.execute_burst(sched, steps, self._interrupted.is_set, take)):
-            take(self.runner.execute(sched) if not sched.is_empty else ModelOutput())
         self.last_step = sched
         return list(latest.values())
 
