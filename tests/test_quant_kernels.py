@@ -1,0 +1,116 @@
+"""The quantized-weight kernels against the gguf package's dequantization and a float64 matmul."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from tokenmill.kernels import quant  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(request):
+    """The kernels built for this CPU, then the portable build (what CPUs without AVX-512 BW run)."""
+    native = quant.load()
+    if native is None:
+        pytest.skip("the quantized-weight kernels could not be built here")
+    if request.param == "native":
+        yield native
+        return
+    portable = quant.build(portable=True)
+    assert not portable.vectorized
+    quant._module = portable
+    try:
+        yield portable
+    finally:
+        quant._module = native
+
+
+def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
+    """[n, bytes per row] of valid blocks: quantized from random floats where gguf can quantize the type,
+    else random bytes with the float16 scales set to moderate values (every bit pattern of the rest is a
+    valid block)."""
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05 + rng.uniform(-0.02, 0.02, (n, 1)).astype(np.float32)
+        return gguf.quants.quantize(w, qtype)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
+    halves = rng.uniform(1e-4, 2e-3, (n, k // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == T.Q6_K:  # d is the last 2 bytes
+        data[..., -2:] = halves[..., 0:2]
+    else:  # d, dmin lead the block
+        data[..., 0:4] = halves.reshape(n, k // block, 4)
+    return data.reshape(n, -1)
+
+
+def quantized_activation(x: np.ndarray) -> np.ndarray:
+    """The activations the kernel multiplies: int8 blocks of 32, d = max|x| / 127, round to nearest even."""
+    b = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(b * inv)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float32).astype(np.float64)).reshape(x.shape)
+
+
+SHAPES = {  # (rows, row length): odd row counts, and rows of an odd number of blocks
+    32: [(1, 32), (13, 96), (67, 288), (5, 1120), (8, 2048)],
+    256: [(1, 256), (13, 768), (37, 512)],
+}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(kernels, qtype):
+    rng = np.random.default_rng(int(qtype))
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    for n, k in SHAPES[block]:
+        data = random_blocks(qtype, n, k, rng)
+        w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
+        want = gguf.quants.dequantize(data, qtype).reshape(n, k)
+        np.testing.assert_array_equal(w.dequantize().numpy(), want)
+        ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+        np.testing.assert_array_equal(w.dequantize(ids).numpy(), want[ids.numpy()])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 17, 64])
+def test_matmul_matches_float64(kernels, qtype, batch):
+    rng = np.random.default_rng(batch * 100 + int(qtype))
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    for n, k in SHAPES[block]:
+        data = random_blocks(qtype, n, k, rng)
+        w64 = gguf.quants.dequantize(data, qtype).reshape(n, k).astype(np.float64)
+        x = rng.standard_normal((batch, k)).astype(np.float32)
+        x[0, :32] = 0  # an all-zero activation block
+        w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
+        got = w.matmul(torch.from_numpy(x)).numpy()
+        # Exactly what the kernel computes, up to float32 accumulation: tight.
+        exact = quantized_activation(x) @ w64.T
+        scale = np.abs(quantized_activation(x)) @ np.abs(w64).T + 1e-30
+        assert np.max(np.abs(got - exact) / scale) < 2e-5, (n, k)
+        # Against the float activations: the int8 rounding, about 1/254 of each block's largest value.
+        plain = x.astype(np.float64) @ w64.T
+        assert np.max(np.abs(got - plain) / scale) < 1e-2, (n, k)
+
+
+def test_bfloat16_activations(kernels):
+    rng = np.random.default_rng(5)
+    data = random_blocks(T.Q4_K, 16, 512, rng)
+    w = quant.QuantizedWeight.from_blocks(int(T.Q4_K), (16, 512), torch.from_numpy(data))
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    got = w.matmul(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), w.matmul(x.float()), rtol=1e-2, atol=1e-2)
+
+
+def test_bad_shapes_name_the_tensor(kernels):
+    data = torch.zeros(4, 18, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight.*Q4_0 blocks of 32"):
+        quant.QuantizedWeight(2, (4, 40), data, name="blk.0.attn_q.weight")
+    with pytest.raises(ValueError, match="blk.1.ffn_up.weight.*does not hold"):
+        quant.QuantizedWeight(2, (4, 64), data, name="blk.1.ffn_up.weight")
+    with pytest.raises(ValueError, match="token_embd.weight.*IQ2_XS has no kernel"):
+        quant.QuantizedWeight(int(T.IQ2_XS), (4, 256), data, name="token_embd.weight")

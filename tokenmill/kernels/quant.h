@@ -1,0 +1,487 @@
+// Weight formats for the linear layers: GGUF's block quantizations, read in place.
+//
+// A quantized weight is a matrix [N, K] stored as N rows of blocks, exactly as the GGUF file holds them.
+// A product y = x W^T first quantizes each activation row to int8 in blocks of 32 (one float scale per
+// block, as llama.cpp's Q8_0), then takes integer dot products of the weight's small integers with the
+// activation's int8 ones and scales each block's sum in float. Every format supplies:
+//   - dequantize_row: the exact float values of a row (the reference, embedding lookups, fallbacks);
+//   - Dot<R>: the dot products of one weight row with R activation rows, vectorised with AVX-512 BW where
+//     the compiler targets it, and written portably otherwise.
+// Block layouts follow the GGUF specification (ggml's block_q8_0, block_q4_0, block_q4_1, block_q4_K,
+// block_q5_K, block_q6_K). The K formats are read as the file holds them. Rows of the 32-element formats
+// are repacked at load into the same bytes rearranged for the kernel (repack_row):
+//   Q8_0  [nb float16 scales d] [nb x 32 int8]
+//   Q4_0  [nb float16 scales d] [quants]
+//   Q4_1  [nb float16 scales d] [nb float16 offsets m] [quants]
+// where the 4-bit quants of blocks 2p and 2p+1 share 32 bytes, byte i holding element i of the first
+// block in its low nibble and element i of the second in its high nibble (so one 32-byte load splits into
+// 64 values in element order), and an odd last block keeps GGUF's 16 bytes (element j in the low nibble
+// of byte j, element j + 16 in its high nibble).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define TM_QUANT_AVX512 1
+#endif
+
+namespace tmq {
+
+// GGML type ids (gguf.GGMLQuantizationType).
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr int QK = 32;    // the activation block, and the block of the 32-element formats
+constexpr int QKK = 256;  // the super-block of the K formats
+
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
+struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
+struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "block size");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "block size");
+
+inline float fp16(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: value man * 2^-24
+    float v = std::ldexp((float)man, -24);
+    return sign ? -v : v;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+struct Format {
+  int block;   // elements per block
+  int bytes;   // bytes per block
+};
+
+inline bool format_of(int type, Format& f) {
+  switch (type) {
+    case Q8_0: f = {QK, 34}; return true;
+    case Q4_0: f = {QK, 18}; return true;
+    case Q4_1: f = {QK, 20}; return true;
+    case Q4_K: f = {QKK, 144}; return true;
+    case Q5_K: f = {QKK, 176}; return true;
+    case Q6_K: f = {QKK, 210}; return true;
+    default: return false;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- dequantize
+
+inline void dequantize_row(int type, const uint8_t* row, float* y, int64_t K) {
+  switch (type) {
+    case Q8_0: {
+      const int64_t nb = K / QK;
+      const uint16_t* d = (const uint16_t*)row;
+      const int8_t* qs = (const int8_t*)(row + 2 * nb);
+      for (int64_t i = 0; i < K; ++i) y[i] = fp16(d[i / QK]) * qs[i];
+      break;
+    }
+    case Q4_0:
+    case Q4_1: {
+      const int64_t nb = K / QK;
+      const uint16_t* d = (const uint16_t*)row;
+      const uint16_t* m = type == Q4_1 ? d + nb : nullptr;
+      const uint8_t* qs = row + (type == Q4_1 ? 4 : 2) * nb;
+      for (int64_t b = 0; b < nb; ++b) {
+        int q[32];
+        if (b + 1 < nb || nb % 2 == 0) {  // one of a pair: low nibbles for the first, high for the second
+          const uint8_t* p = qs + (b / 2) * 32;
+          for (int i = 0; i < 32; ++i) q[i] = b % 2 ? p[i] >> 4 : p[i] & 0xF;
+        } else {  // an odd last block, as GGUF holds it
+          const uint8_t* p = qs + (b / 2) * 32;
+          for (int i = 0; i < 16; ++i) q[i] = p[i] & 0xF, q[i + 16] = p[i] >> 4;
+        }
+        float db = fp16(d[b]), mb = m ? fp16(m[b]) : -8.f * db;
+        for (int i = 0; i < 32; ++i) y[b * 32 + i] = m ? db * q[i] + mb : db * (q[i] - 8);
+      }
+      break;
+    }
+    case Q4_K:
+    case Q5_K:
+      for (int64_t b = 0; b < K / QKK; ++b) {
+        const uint8_t *scales, *qs, *qh = nullptr;
+        float d, dmin;
+        if (type == Q4_K) {
+          const BlockQ4_K& x = ((const BlockQ4_K*)row)[b];
+          d = fp16(x.d), dmin = fp16(x.dmin), scales = x.scales, qs = x.qs;
+        } else {
+          const BlockQ5_K& x = ((const BlockQ5_K*)row)[b];
+          d = fp16(x.d), dmin = fp16(x.dmin), scales = x.scales, qs = x.qs, qh = x.qh;
+        }
+        float* out = y + b * QKK;
+        for (int j = 0; j < 4; ++j) {  // 64 elements: sub-block 2j in the low nibbles, 2j+1 in the high
+          int sc1, m1, sc2, m2;
+          scale_min_k4(2 * j, scales, sc1, m1);
+          scale_min_k4(2 * j + 1, scales, sc2, m2);
+          for (int l = 0; l < 32; ++l) {
+            int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+            if (qh) {
+              lo += ((qh[l] >> (2 * j)) & 1) << 4;
+              hi += ((qh[l] >> (2 * j + 1)) & 1) << 4;
+            }
+            out[64 * j + l] = d * sc1 * lo - dmin * m1;
+            out[64 * j + 32 + l] = d * sc2 * hi - dmin * m2;
+          }
+        }
+      }
+      break;
+    case Q6_K:
+      for (int64_t b = 0; b < K / QKK; ++b) {
+        const BlockQ6_K& x = ((const BlockQ6_K*)row)[b];
+        float d = fp16(x.d);
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* ql = x.ql + 64 * h;
+          const uint8_t* qh = x.qh + 32 * h;
+          const int8_t* sc = x.scales + 8 * h;
+          float* out = y + b * QKK + 128 * h;
+          for (int l = 0; l < 32; ++l) {
+            int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            int is = l / 16;
+            out[l] = d * sc[is] * q1;
+            out[l + 32] = d * sc[is + 2] * q2;
+            out[l + 64] = d * sc[is + 4] * q3;
+            out[l + 96] = d * sc[is + 6] * q4;
+          }
+        }
+      }
+      break;
+  }
+}
+
+// A row of GGUF blocks into the kernel's layout (see the top of this file); K formats are copied as they are.
+inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
+  Format f;
+  format_of(type, f);
+  const int64_t nb = K / f.block;
+  if (type != Q8_0 && type != Q4_0 && type != Q4_1) {
+    std::memcpy(out, in, nb * f.bytes);
+    return;
+  }
+  const int hdr = type == Q4_1 ? 4 : 2;  // scale (and offset) bytes at the start of a GGUF block
+  uint16_t* d = (uint16_t*)out;
+  uint16_t* m = type == Q4_1 ? d + nb : nullptr;
+  uint8_t* qs = out + hdr * nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = in + b * f.bytes;
+    std::memcpy(&d[b], blk, 2);
+    if (m) std::memcpy(&m[b], blk + 2, 2);
+  }
+  if (type == Q8_0) {
+    for (int64_t b = 0; b < nb; ++b) std::memcpy(qs + b * 32, in + b * f.bytes + 2, 32);
+    return;
+  }
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    const uint8_t* qa = in + b * f.bytes + hdr;
+    const uint8_t* qb = qa + f.bytes;
+    uint8_t* o = qs + (b / 2) * 32;
+    for (int i = 0; i < 16; ++i) {
+      o[i] = (qa[i] & 0xF) | (qb[i] & 0xF) << 4;            // elements i
+      o[i + 16] = (qa[i] >> 4) | (qb[i] >> 4) << 4;         // elements i + 16
+    }
+  }
+  if (nb % 2) std::memcpy(qs + (nb / 2) * 32, in + (nb - 1) * f.bytes + hdr, 16);
+}
+
+// ---------------------------------------------------------------------------------------------- activations
+
+// Activation rows quantized to int8 in blocks of 32: q[K] per row, d[K/32] the block scales, s[K/32] each
+// block's value sum d * sum(q) (the offsets and mins of the weight formats multiply it).
+struct QRow {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+
+// d = max|x| / 127, q = round-to-nearest-even(x * (127 / max|x|)); an all-zero block gets d = 0.
+inline void quantize_activation_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+#ifdef TM_QUANT_AVX512
+    __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));
+    __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i*)(q + b * QK), _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128((__m128i*)(q + b * QK + 16), _mm512_cvtsepi32_epi8(i1));
+    int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      int v = (int)std::nearbyint(xb[i] * inv);
+      q[b * QK + i] = (int8_t)v;
+      sum += v;
+    }
+#endif
+    d[b] = amax / 127.f;
+    s[b] = d[b] * (float)sum;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- dot products
+
+// The portable path: the weight row dequantized, then multiplied with the dequantized activations.
+template <int R>
+inline void dot_generic(int type, const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  thread_local std::vector<float> w;
+  if ((int64_t)w.size() < K) w.resize(K);
+  dequantize_row(type, row, w.data(), K);
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const int8_t* q = x[r].q + b * QK;
+      const float* wb = w.data() + b * QK;
+      float part = 0.f;
+      for (int i = 0; i < QK; ++i) part += wb[i] * q[i];
+      acc += part * x[r].d[b];
+    }
+    out[r] = acc;
+  }
+}
+
+#ifdef TM_QUANT_AVX512
+
+// 16 int32 lanes, each the sum of 4 adjacent products of unsigned bytes u with signed bytes s.
+inline __m512i dot4(__m512i u, __m512i s) {
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+}
+
+// 64 bytes [low nibbles of q | high nibbles of q].
+inline __m512i nibbles(__m256i q) {
+  const __m256i m = _mm256_set1_epi8(0xF);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m)),
+                            _mm256_and_si256(_mm256_srli_epi16(q, 4), m), 1);
+}
+
+// Lanes 0-7 take element 2k of a vector of per-block scales, lanes 8-15 element 2k + 1: the scales of the
+// two 32-element blocks one 64-byte product covers.
+inline __m512 pair_scales(__m512 v, int k) {
+  const __m512i lo = _mm512_set1_epi32(2 * k), hi = _mm512_set1_epi32(2 * k + 1);
+  return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xFF00, lo, hi), v);
+}
+
+inline float hsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+
+// Q8_0: w = d q. Blocks are taken 16 at a time, so their scales are multiplied as one vector.
+template <int R>
+inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  const uint16_t* dp = (const uint16_t*)row;
+  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < nb; g += 16) {
+    const int n = (int)std::min<int64_t>(16, nb - g);
+    const __mmask16 mask = (__mmask16)((1u << n) - 1);
+    __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
+    for (int k = 0; k < n; ++k) {
+      __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(qs + (g + k) * QK)));
+      const __m512i lane = _mm512_set1_epi32(k);
+      for (int r = 0; r < R; ++r) {
+        __m512i xv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(x[r].q + (g + k) * QK)));
+        __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(wv, xv));
+        acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(lane, scale[r]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout: a pair of blocks per 32-byte load,
+// 16 blocks' scales and offsets as vectors.
+template <int R, bool HAS_MIN>
+inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  const uint16_t* dp = (const uint16_t*)row;
+  const uint16_t* mp = dp + nb;
+  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < nb; g += 16) {
+    const int n = (int)std::min<int64_t>(16, nb - g);
+    const __mmask16 mask = (__mmask16)((1u << n) - 1);
+    __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
+    __m512 mv = HAS_MIN ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mp + g)) : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) {
+      scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
+      off[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, x[r].s + g), off[r]);
+    }
+    for (int k = 0; k < n / 2; ++k) {
+      __m512i wv = nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g / 2 + k) * 32)));
+      for (int r = 0; r < R; ++r) {
+        __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK));
+        __m512 p = _mm512_cvtepi32_ps(dot4(wv, xv));
+        acc[r] = _mm512_fmadd_ps(p, pair_scales(scale[r], k), acc[r]);
+      }
+    }
+    if (n % 2) {  // the row's odd last block, GGUF's nibble order: 32 values in element order
+      const int64_t b = g + n - 1;
+      __m128i q = _mm_loadu_si128((const __m128i*)(qs + (b / 2) * 32));
+      const __m128i m4 = _mm_set1_epi8(0xF);
+      __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
+                                           _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+      for (int r = 0; r < R; ++r) {
+        __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+        __m512 p16 = _mm512_castps256_ps512(_mm256_cvtepi32_ps(p));
+        __m512 sc = _mm512_permutexvar_ps(_mm512_set1_epi32(n - 1), scale[r]);
+        acc[r] = _mm512_mask3_fmadd_ps(p16, sc, acc[r], 0x00FF);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], off[r]);
+}
+
+// The 6-bit scales and mins of a Q4_K / Q5_K super-block as 16 bytes [sc 0..7 | m 0..7].
+inline __m128i scales_mins_k4(const uint8_t* s) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  uint32_t sc_lo = w[0] & 0x3f3f3f3f, m_lo = w[1] & 0x3f3f3f3f;
+  uint32_t sc_hi = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
+  uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
+  return _mm_set_epi32((int)m_hi, (int)m_lo, (int)sc_hi, (int)sc_lo);
+}
+
+// Q4_K and Q5_K: w = d sc_j q - dmin m_j per 32-element sub-block j of a 256-element super-block.
+template <int R, bool FIVE>
+inline void dot_q45_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  __m512 acc[R];
+  __m256 off[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
+  const int size = FIVE ? 176 : 144;
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    const uint8_t* blk = row + b * size;
+    const __m256 d = _mm256_set1_ps(fp16(*(const uint16_t*)blk)), dmin = _mm256_set1_ps(fp16(*(const uint16_t*)(blk + 2)));
+    const uint8_t* qs = blk + (FIVE ? 48 : 16);
+    __m128i scm = scales_mins_k4(blk + 4);
+    __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scm)));
+    __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8))));
+    const int64_t a0 = b * (QKK / QK);  // the first activation block
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) {
+      scale[r] = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(x[r].d + a0)));
+      off[r] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(x[r].s + a0), off[r]);
+    }
+    __m256i hbits = FIVE ? _mm256_loadu_si256((const __m256i*)(blk + 16)) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      __m512i wv = nibbles(_mm256_loadu_si256((const __m256i*)(qs + 32 * j)));
+      if (FIVE) {
+        const __m256i one = _mm256_set1_epi8(1);
+        __m256i lo = _mm256_and_si256(hbits, one), hi = _mm256_and_si256(_mm256_srli_epi16(hbits, 1), one);
+        __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        wv = _mm512_or_si512(wv, _mm512_slli_epi16(h, 4));
+        hbits = _mm256_srli_epi16(hbits, 2);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (a0 + 2 * j) * QK));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot4(wv, xv)), pair_scales(scale[r], j), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], _mm512_castps256_ps512(off[r])) ;
+}
+
+// Q6_K: w = d sc_i (q - 32) per 16-element sub-block i; q has 4 low bits in ql and 2 high bits in qh.
+template <int R>
+inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  // lane i of a 32-lane int16 vector covers elements 2i, 2i+1: scale index i / 8 (+ the quarter's first)
+  alignas(64) static const int16_t idx_init[4][32] = {
+      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+      {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+      {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
+       14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+  const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3), c32 = _mm512_set1_epi8(32);
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    const BlockQ6_K* blk = (const BlockQ6_K*)(row + b * 210);
+    const __m256 d = _mm256_set1_ps(fp16(blk->d));
+    __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk->scales)));
+    const int64_t a0 = b * (QKK / QK);
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) scale[r] = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(x[r].d + a0)));
+    for (int h = 0; h < 2; ++h) {
+      __m512i ql = _mm512_loadu_si512((const void*)(blk->ql + 64 * h));
+      __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
+      __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      __m512i qa = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(hh, m2), 4));
+      __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m2), 4));
+      __m512i sa = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)idx_init[2 * h]), sc16);
+      __m512i sb = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)idx_init[2 * h + 1]), sc16);
+      const int64_t ab = a0 + 4 * h;  // activation blocks ab..ab+3 for this half
+      for (int r = 0; r < R; ++r) {
+        __m512i x0 = _mm512_loadu_si512((const void*)(x[r].q + ab * QK));
+        __m512i x1 = _mm512_loadu_si512((const void*)(x[r].q + (ab + 2) * QK));
+        __m512i p0 = _mm512_sub_epi16(_mm512_maddubs_epi16(qa, x0), _mm512_maddubs_epi16(c32, x0));
+        __m512i p1 = _mm512_sub_epi16(_mm512_maddubs_epi16(qb, x1), _mm512_maddubs_epi16(c32, x1));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p0, sa)), pair_scales(scale[r], 2 * h), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p1, sb)), pair_scales(scale[r], 2 * h + 1), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+#endif  // TM_QUANT_AVX512
+
+// out[r] = dot(weight row, activation row r) for R activation rows.
+template <int R>
+inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* out) {
+#ifdef TM_QUANT_AVX512
+  switch (type) {
+    case Q8_0: return dot_q8_0<R>(row, x, K, out);
+    case Q4_0: return dot_q4_01<R, false>(row, x, K, out);
+    case Q4_1: return dot_q4_01<R, true>(row, x, K, out);
+    case Q4_K: return dot_q45_k<R, false>(row, x, K, out);
+    case Q5_K: return dot_q45_k<R, true>(row, x, K, out);
+    case Q6_K: return dot_q6_k<R>(row, x, K, out);
+  }
+#endif
+  dot_generic<R>(type, row, x, K, out);
+}
+
+}  // namespace tmq

@@ -1,0 +1,179 @@
+"""Quantized weights: a linear layer's matrix kept in a GGUF block format and multiplied in that format.
+
+QuantizedWeight is the weight-format seam of the linear layers: a matrix [N, K] stored as N rows of
+blocks (quant.h), exactly the bytes a GGUF file holds. Its products go through quant_kernels.cpp
+(AVX-512 BW where the CPU has it, portable C++ elsewhere), compiled on first use and cached by torch
+per machine. Where no compiler is available the loader dequantizes instead (and says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h")]
+
+# GGML type id -> (name, elements per block, bytes per block), for the types with a kernel.
+FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+           12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+
+_module = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(portable: bool = False):
+    """Compiles the kernels for this CPU (-march=native), or, portable=True, without any vector extension
+    beyond the x86-64 baseline (the path CPUs without AVX-512 BW take; built so it can be tested)."""
+    from torch.utils.cpp_extension import load as compile_extension
+
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    # -march=native: the build is for this CPU, so the name carries its flags as well as the sources.
+    digest.update(b"portable" if portable else _cpu_flags().encode())
+    arch = "-march=x86-64" if portable and platform.machine() in ("x86_64", "AMD64") else "-march=native"
+    return compile_extension(
+        name=f"tokenmill_quant_kernels_{digest.hexdigest()[:12]}", sources=[_SOURCES[0]],
+        extra_cflags=["-O3", arch, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def load():
+    """The compiled quantized-product module, or None where it cannot be built (reason logged once)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    try:
+        _module = build()
+    except Exception as e:  # no compiler or headers
+        logger.warning("could not build the quantized-weight kernels (%s)", str(e).splitlines()[0])
+        _module = None
+    else:
+        if not _module.vectorized:
+            logger.info("quantized-weight kernels built without AVX-512 BW: using their portable C++ path")
+    return _module
+
+
+def type_name(qtype: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+class QuantizedWeight:
+    """A matrix [N, K] in a block format: data is uint8 [N, bytes per row], each row's bytes in the kernel's
+    layout of its format (quant.h: GGUF's blocks, those of the 32-element formats rearranged)."""
+
+    __slots__ = ("qtype", "shape", "data")
+
+    def __init__(self, qtype: int, shape: tuple[int, int], data: torch.Tensor, name: str = "weight") -> None:
+        if qtype not in FORMATS:
+            raise ValueError(f"{name}: quantized type {type_name(qtype)} has no kernel")
+        _, block, nbytes = FORMATS[qtype]
+        n, k = shape
+        if k % block:
+            raise ValueError(f"{name}: rows of {k} elements do not divide into {type_name(qtype)} blocks of {block}")
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, k // block * nbytes):
+            raise ValueError(f"{name}: {type_name(qtype)} data of shape {tuple(data.shape)} does not hold a "
+                             f"[{n}, {k}] matrix ({k // block * nbytes} bytes per row)")
+        self.qtype, self.shape, self.data = qtype, (n, k), data.contiguous()
+
+    @classmethod
+    def from_blocks(cls, qtype: int, shape: tuple[int, int], blocks: torch.Tensor, name: str = "weight",
+                    out: torch.Tensor | None = None) -> "QuantizedWeight":
+        """From rows of GGUF blocks, as a file holds them (checked, then repacked for the kernel into `out`
+        where given: a uint8 view of the same shape, e.g. a slice of the weight arena)."""
+        w = cls(qtype, shape, blocks, name)
+        w.data = _module.repack(w.data, qtype, shape[1], out)
+        return w
+
+    @property
+    def name(self) -> str:
+        return FORMATS[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, start: int, end: int) -> "QuantizedWeight":
+        return QuantizedWeight(self.qtype, (end - start, self.shape[1]), self.data[start:end])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ W^T -> [..., N] in x's dtype."""
+        lead = x.shape[:-1]
+        y = _module.qmatmul(x.reshape(-1, self.shape[1]), self.data, self.qtype, self.shape[1])
+        return y.view(*lead, self.shape[0])
+
+    def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 values of rows `ids` (all rows by default)."""
+        ids = torch.empty(0, dtype=torch.int64) if ids is None else ids.reshape(-1)
+        return _module.dequantize(self.data, self.qtype, self.shape[1], ids)
+
+    @staticmethod
+    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """The row-wise concatenation of matrices of one type and row length."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only matrices of one type and row length concatenate")
+        shape = (sum(p.shape[0] for p in parts), first.shape[1])
+        row_bytes = first.data.shape[1]
+        base = first.data
+        adjacent = all(p.data.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for p in parts) and \
+            all(b.data.data_ptr() == a.data.data_ptr() + a.data.numel() for a, b in zip(parts, parts[1:]))
+        if adjacent:  # parts laid out one after another (the loader's arena): a view, no copy
+            data = base.as_strided((shape[0], row_bytes), (row_bytes, 1))
+        else:
+            data = torch.cat([p.data for p in parts])
+        return QuantizedWeight(first.qtype, shape, data)
+
+
+# quantization= name -> (format of the linear layers, format of the embedding and output layer). The
+# embedding and output layer stay at 8 bits in int4 mode, as llama.cpp's 4-bit mixes keep them at 6-8.
+QUANTIZE_TO = {"int8": (8, 8), "int4": (3, 8)}
+
+
+def quantize(w: torch.Tensor, qtype: int, name: str = "weight") -> QuantizedWeight:
+    """A float matrix [N, K] quantized by rounding to nearest, in groups of 32 along K:
+    Q8_0 (int8, w = d q with d = max|w| / 127) or Q4_1 (int4, w = d q + m over the group's range)."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"{name}: rows of {k} elements do not divide into groups of 32")
+    g = w.detach().float().reshape(n, k // 32, 32)
+    if qtype == 8:
+        d = (g.abs().amax(-1, keepdim=True) / 127).half()
+        inv = torch.where(d > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
+        q = (g * inv).round().clamp(-127, 127).to(torch.int8)
+        blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
+    elif qtype == 3:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        d, m = ((hi - lo) / 15).half(), lo.half()
+        inv = torch.where(d > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
+        q = ((g - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)  # GGUF's order: element j low, j + 16 high
+        blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), m.view(torch.uint8).reshape(n, k // 32, 2),
+                            packed], dim=-1)
+    else:
+        raise ValueError(f"quantizing to {type_name(qtype)} is not supported (Q8_0 and Q4_1 are)")
+    return QuantizedWeight.from_blocks(qtype, (n, k), blocks.reshape(n, -1).contiguous(), name)
