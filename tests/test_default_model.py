@@ -35,7 +35,8 @@ def hf_gguf(default_gguf):
 
 @pytest.fixture(scope="module")
 def llm32():
-    return LLM(dtype="float32")
+    """The reference path (weights dequantized to float32), which must match transformers exactly."""
+    return LLM(dtype="float32", quantization="none")
 
 
 def test_tokenizer_matches_transformers(hf_gguf, llm32):

@@ -110,8 +110,9 @@ def test_local_completions_matches_hf_backend(default_gguf, tmp_path):
         child = subprocess.Popen([sys.executable, __file__, json.dumps(args), str(result_file)], cwd=REPO,
                                  env=_offline_env(tmp_path), stdin=subprocess.PIPE, stdout=log, stderr=log, text=True)
     try:
-        server = ServerProcess(default_gguf, "--dtype", "float32", "--served-model-name", SERVED_NAME,
-                               "--api-key", API_KEY)
+        # The reference path (weights dequantized to float32), so lm-eval's hf backend must agree to 1e-5.
+        server = ServerProcess(default_gguf, "--dtype", "float32", "--quantization", "none",
+                               "--served-model-name", SERVED_NAME, "--api-key", API_KEY)
         try:
             child.communicate(server.url + "\n", timeout=600)
             # What lm-eval's remote tokenizer reads, behind the API key like /tokenize.

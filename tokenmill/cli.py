@@ -11,6 +11,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model folder, .gguf file or known name (default: the built-in smollm2-135m-instruct)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="auto: run a quantized GGUF in its own formats; none: dequantize its weights to --dtype; "
+                        "int8 / int4: quantize float weights at load, in groups of 32 (default: auto)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
@@ -31,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_scheduler_steps=args.num_scheduler_steps,
@@ -166,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args, engine_kwargs)
+    from tokenmill.eval import add_eval_parser
+
+    add_eval_parser(sub, add_engine_args, engine_kwargs)
     return parser
 
 

@@ -74,6 +74,10 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str | torch.dtype = "auto"
+    # "auto": a quantized GGUF file runs in its own block formats (as llama.cpp runs it); "none":
+    # every weight is dequantized to dtype at load (the reference path); "int8" / "int4": float weights
+    # are quantized at load (groups of 32; the embedding and output layer at 8 bits).
+    quantization: str = "auto"
     device: str | None = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -107,5 +111,7 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be one of auto, none, int8, int4, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

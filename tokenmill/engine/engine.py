@@ -33,7 +33,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, None)
         self.loaded = load_model(config.model, self.dtype, self.device, TorchSDPABackend(),
-                                 max_positions=config.max_model_len)
+                                 max_positions=config.max_model_len, quantization=config.quantization)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.model.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ import numpy as np
 import torch
 
 from tokenmill.model import gguf_tokenizer
+
+logger = logging.getLogger("tokenmill")
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -78,6 +81,9 @@ class GGUFFile:
             if ttype not in gguf.GGMLQuantizationType._value2member_map_:
                 raise ValueError(f"GGUF tensor {name!r} has an unknown type {ttype}")
             block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            if not dims or dims[0] % block:
+                raise ValueError(f"GGUF tensor {name!r} of shape {list(dims)} does not divide into "
+                                 f"{gguf.GGMLQuantizationType(ttype).name} blocks of {block} elements")
             row_bytes = dims[0] // block * type_bytes
             rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
             end = start + offset + rows * row_bytes
@@ -159,28 +165,106 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_weights(reader, config: dict):
-    """(Hugging Face name, float32 tensor) for every tensor, dequantized."""
+def _hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor."""
+    m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"GGUF tensor {name!r} is not understood")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = name.rpartition(".")
+    if base not in _TOP_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} is not understood")
+    return f"{_TOP_NAMES[base]}.{kind}"
+
+
+# Projections the decoder stores as one matrix: kept quantized only where every part is.
+_MERGED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
+_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
+
+
+def quantized_plan(reader: GGUFFile) -> set[str]:
+    """Hugging Face names of the weights that stay in their GGUF block format: the linear layers' and the
+    embedding's, where a kernel runs that format. Other quantized tensors are dequantized at load, logged."""
+    from tokenmill.kernels import quant
+
+    candidates, without_kernel = set(), {}
+    for t in reader.tensors:
+        if int(t.tensor_type) in _FLOAT_TYPES:
+            continue
+        hf = _hf_name(t.name)
+        if int(t.tensor_type) in quant.FORMATS and len(t.shape) == 2 and hf.endswith(".weight") \
+                and "norm" not in hf:
+            candidates.add(hf)
+        else:
+            without_kernel.setdefault(t.tensor_type.name, []).append(t.name)
+    for name, names in without_kernel.items():
+        logger.info("no kernel for %s: %d tensors dequantized at load (e.g. %s)", name, len(names), names[0])
+    if candidates and quant.load() is None:
+        logger.warning("quantized-weight kernels unavailable: every quantized tensor is dequantized at load")
+        return set()
+    plan = set(candidates)
+    for name in candidates:
+        m = re.match(r"(model\.layers\.\d+\.)(.+)\.weight$", name)
+        for group in _MERGED if m else []:
+            if m.group(2) in group:
+                members = {f"{m.group(1)}{g}.weight" for g in group}
+                if not members <= candidates:
+                    plan -= members
+    return plan
+
+
+def quantized_layout(reader: GGUFFile, plan: set[str]) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Where each planned tensor goes in one buffer: name -> (byte offset, rows, bytes per row), and the
+    buffer's size. Tensors keep the file's order, except that the parts of a merged projection are placed
+    one after another in their merged order (so the merged matrix is a view, not a copy)."""
+    by_name = {_hf_name(t.name): t for t in reader.tensors}
+    layout, total = {}, 0
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf not in plan or hf in layout:
+            continue
+        group = [hf]
+        m = re.match(r"(model\.layers\.\d+\.)(.+)\.weight$", hf)
+        for parts in _MERGED if m else []:
+            if m.group(2) in parts:
+                group = [f"{m.group(1)}{p}.weight" for p in parts]
+        total = -(-total // 64) * 64
+        for name in group:
+            data = by_name[name].data if name in by_name else None
+            if data is None or name not in plan:
+                raise ValueError(f"GGUF file lacks {name!r}, a part of a merged projection")
+            layout[name] = (total, data.shape[0], data.shape[1])
+            total += data.shape[0] * data.shape[1]
+    return layout, total
+
+
+def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict | None = None):
+    """(Hugging Face name, tensor) for every tensor: a QuantizedWeight (the file's blocks) for the names in
+    `keep`, written into place[name] where given, else a float32 tensor, dequantized."""
     from gguf.quants import dequantize
+
+    from tokenmill.kernels.quant import QuantizedWeight
 
     permute = config["model_type"] in ("llama", "mistral")
     for t in reader.tensors:
-        name = t.name
-        m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-        if m:
-            layer, part, kind = m.groups()
-            if part not in _LAYER_NAMES:
-                raise ValueError(f"GGUF tensor {name!r} is not understood")
-            hf = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-        else:
-            base, _, kind = name.rpartition(".")
-            if base not in _TOP_NAMES:
-                raise ValueError(f"GGUF tensor {name!r} is not understood")
-            hf = f"{_TOP_NAMES[base]}.{kind}"
-        arr = dequantize(t.data, t.tensor_type)
+        hf = _hf_name(t.name)
+        part = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(part)
+        if hf in keep:
+            shape = (int(np.prod(t.shape[1:], dtype=np.int64)), int(t.shape[0]))
+            rows = _unpermute(t.data, heads) if permute and heads else t.data
+            data = torch.from_numpy(np.array(rows, copy=True, order="C"))
+            out = (place or {}).get(hf)
+            yield hf, QuantizedWeight.from_blocks(int(t.tensor_type), shape, data, name=t.name, out=out)
+            continue
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be read") from None
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if permute and m and m.group(2) in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads"] if m.group(2) == "attn_q" else config["num_key_value_heads"]
+        if permute and heads:
             arr = _unpermute(arr, heads)
         if not arr.flags.writeable or not arr.flags.c_contiguous:  # F32 tensors come as read-only memory maps
             arr = np.array(arr, copy=True, order="C")

@@ -71,22 +71,60 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class MergedLinear(nn.Module):
+class _QuantizableLinear(nn.Module):
+    """The weight-format seam of the linear layers: a float weight (a parameter), or a QuantizedWeight
+    whose kernel computes the product in its own format (kernels/quant.py). quantize_weight() on the
+    meta-device model drops the float parameter before any memory is allocated for it; the loader then
+    hands over the quantized matrix, in parts for merged projections."""
+
+    out_sizes: list[int]
+    qweight = None  # QuantizedWeight, or a list of them (one per part) where the parts' formats differ
+
+    def quantize_weight(self) -> None:
+        self.register_parameter("weight", None)
+        self._qparts = [None] * len(self.out_sizes)
+
+    @property
+    def quantized(self) -> bool:
+        return hasattr(self, "_qparts")
+
+    def load_quantized(self, index: int, qweight) -> None:
+        if qweight.shape != (self.out_sizes[index], self.in_features):
+            raise ValueError(f"checkpoint tensor has shape {qweight.shape}, expected "
+                             f"{(self.out_sizes[index], self.in_features)}")
+        self._qparts[index] = qweight
+        if all(p is not None for p in self._qparts):
+            from tokenmill.kernels.quant import QuantizedWeight
+
+            parts = self._qparts
+            same = all(p.qtype == parts[0].qtype for p in parts)
+            self.qweight = (parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)) if same else list(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.qweight
+        if q is None:
+            if self.quantized:
+                raise RuntimeError("a quantized linear layer was used before its weights were loaded")
+            return linear(x, self.weight, self.bias)
+        y = torch.cat([p.matmul(x) for p in q], dim=-1) if isinstance(q, list) else q.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+
+class MergedLinear(_QuantizableLinear):
     """Several linear projections of the same input stored as one matrix (fewer, larger matmuls).
 
-    load_shard() fills one part from a checkpoint tensor; the quantization seam lives here later.
-    """
+    load_shard() fills one part from a checkpoint tensor, float or quantized."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
         super().__init__()
+        self.in_features = in_features
         self.out_sizes = out_sizes
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features))
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes))) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-    def load_shard(self, index: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def load_shard(self, index: int, tensor, is_bias: bool = False) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return self.load_quantized(index, tensor)
         start = sum(self.out_sizes[:index])
         target = self.bias if is_bias else self.weight
         expected = (self.out_sizes[index],) + tuple(target.shape[1:])
@@ -96,11 +134,50 @@ class MergedLinear(nn.Module):
             target[start:start + self.out_sizes[index]].copy_(tensor)
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose small-batch bf16 products go through the decode kernel."""
+class Linear(_QuantizableLinear):
+    """A linear layer whose small-batch bf16 products go through the decode kernel."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.out_sizes = [out_features]
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+
+class Embedding(nn.Module):
+    """Token embedding; with a quantized table, the looked-up rows are dequantized (and the table serves
+    as the output layer where the two are tied)."""
+
+    qweight = None
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def quantize_weight(self) -> None:
+        self.register_parameter("weight", None)
+        self._qparts = [None]
+
+    @property
+    def quantized(self) -> bool:
+        return hasattr(self, "_qparts")
+
+    def load_quantized(self, index: int, qweight) -> None:
+        if qweight.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"checkpoint tensor has shape {qweight.shape}, expected "
+                             f"{(self.num_embeddings, self.embedding_dim)}")
+        self._qparts[0] = self.qweight = qweight
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.dequantize(ids).view(*ids.shape, self.embedding_dim).to(dtype)
+        return F.embedding(ids, self.weight)
+
+    def as_output(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ table^T: logits through a tied output layer."""
+        return self.qweight.matmul(x) if self.qweight is not None else linear(x, self.weight)
 
 
 class GatedMLP(nn.Module):

@@ -10,7 +10,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels.cpu import linear
-from tokenmill.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from tokenmill.model.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 @dataclass(slots=True)
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = DecoderConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
                                     per_layer_windows=self.per_layer_windows)
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         if fused is not None:
             return fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
                                  meta.decode_seq_lens)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids, self.norm.weight.dtype)
         rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
@@ -178,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
     def _fused_decoder(self, kv_caches: list, meta: AttentionMetadata):
         """The compiled whole-step decoder when this step is decode only, bf16 on a CPU that runs it; else None."""
         weight = self.embed_tokens.weight
+        if self.quantized:  # the fused decoder reads bf16 weights only
+            return None
         if not (self.use_fused_decode and meta.num_reqs and meta.num_decodes == meta.num_reqs
                 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
             return None
@@ -215,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.output_weight())
+        return self.embed_tokens.as_output(hidden) if self.lm_head is None else self.lm_head(hidden)
 
     # ------------------------------------------------------------------ weights
     _STACKED = {  # checkpoint name part -> (fused module name part, shard index)
@@ -223,8 +225,30 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    quantized = False  # True once any linear layer or the embedding holds a quantized weight
+
+    def _weight_module(self, name: str) -> tuple[str, int]:
+        """(the module holding a checkpoint weight, the weight's part in it) for a Hugging Face name."""
+        parts = name.removeprefix("model.").split(".")
+        if len(parts) >= 2 and parts[-2] in self._STACKED:
+            fused, idx = self._STACKED[parts[-2]]
+            return ".".join(parts[:-2] + [fused]), idx
+        return ".".join(parts[:-1]), 0
+
+    def quantize_weights(self, names) -> None:
+        """Before the weights are materialized: the checkpoint weights `names` (Hugging Face naming) will
+        arrive quantized, so their modules keep no float copy."""
+        for name in names:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            module = self.get_submodule(self._weight_module(name)[0])
+            if not module.quantized:
+                module.quantize_weight()
+                self.quantized = True
+
     def load_weights(self, weights) -> None:
-        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""
+        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters; quantized weights
+        (QuantizedWeight) go to the modules quantize_weights() prepared for them."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -234,6 +258,13 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied to the embedding
             parts = name.split(".")
+            if not isinstance(tensor, torch.Tensor):
+                module_name, idx = self._weight_module(name)
+                module = self.get_submodule(module_name)
+                if not getattr(module, "quantized", False):
+                    raise ValueError(f"checkpoint tensor {name!r} is quantized but its layer was not prepared for it")
+                module.load_quantized(idx, tensor)
+                continue
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, idx = self._STACKED[parts[-2]]
                 module_name = ".".join(parts[:-2] + [fused])
@@ -250,5 +281,7 @@ class LlamaForCausalLM(nn.Module):
                 p.copy_(tensor)
             loaded.add(name)
         missing = set(params) - loaded
+        missing |= {f"{n}.weight" for n, m in self.named_modules()
+                    if any(p is None for p in m.__dict__.get("_qparts", ()))}
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

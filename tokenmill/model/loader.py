@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.kernels import quant
 from tokenmill.model import arena, gguf_loader
 from tokenmill.model.hub import resolve_model_path
 from tokenmill.model.layers import RotaryEmbedding
@@ -40,16 +41,43 @@ class LoadedModel:
         return tuple(dict.fromkeys(ids))
 
 
+QUANTIZATION = ("auto", "none", "int8", "int4")
+
+
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               max_positions: int | None = None) -> LoadedModel:
-    """Resolve the name (None: the default model), read config and tokenizer, build and fill the model."""
+               max_positions: int | None = None, quantization: str = "auto") -> LoadedModel:
+    """Resolve the name (None: the default model), read config and tokenizer, build and fill the model.
+
+    quantization "auto" runs a quantized GGUF file in its own formats (the weights stay as the file holds
+    them); "none" dequantizes every weight to dtype (the reference path); "int8" / "int4" quantize float
+    weights at load (quantize_on_load)."""
+    if quantization not in QUANTIZATION:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {quantization!r}")
     start = time.perf_counter()
     path = resolve_model_path(name)
+    quantized: set[str] = set()
     if path.endswith(".gguf"):
         reader = gguf_loader.GGUFFile(path)
         hf_config = gguf_loader.read_config(reader)
         tokenizer = gguf_loader.build_tokenizer(reader) or _transformers_gguf_tokenizer(path)
-        weights = gguf_loader.iter_weights(reader, hf_config)
+        if quantization == "auto" and device.type == "cpu":
+            quantized = gguf_loader.quantized_plan(reader)
+        elif quantization == "auto" and any(int(t.tensor_type) not in (0, 1, 30) for t in reader.tensors):
+            logger.info("quantized GGUF weights are dequantized to %s on %s (their kernels run on the CPU)",
+                        str(dtype).removeprefix("torch."), device.type)
+        place = None
+        if quantized:  # the blocks go to one huge-page buffer, as the float weights do (arena.py)
+            layout, total = gguf_loader.quantized_layout(reader, quantized)
+            buffer = arena.huge_page_buffer(total)
+            place = {name: buffer[off:off + rows * row_bytes].view(rows, row_bytes)
+                     for name, (off, rows, row_bytes) in layout.items()}
+        if quantization in quant.QUANTIZE_TO:
+            kinds = sorted({t.tensor_type.name for t in reader.tensors if int(t.tensor_type) not in (0, 1, 30)})
+            if kinds:
+                raise ValueError(f"{os.path.basename(path)} is already quantized ({', '.join(kinds)}); quantization "
+                                 f"{quantization!r} applies to float weights (F32/F16/BF16 GGUF files, Hugging Face "
+                                 "folders): leave it at 'auto' to run the file's own formats")
+        weights = gguf_loader.iter_weights(reader, hf_config, quantized, place)
         generation_config = {}
     elif os.path.isdir(path):
         hf_config = _read_json(os.path.join(path, "config.json"), required=True)
@@ -59,12 +87,18 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     else:
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
+    if quantization in quant.QUANTIZE_TO and device.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU kernels; on {device.type} load the "
+                         "weights unquantized (quantization 'auto')")
     if device.type == "cpu":
         cpu_kernels.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
     with torch.device("meta"):
         model = cls(hf_config, backend, positions)
+    model.quantize_weights(quantized)
+    if quantization in quant.QUANTIZE_TO:
+        weights = quantize_on_load(model, weights, quantization)
     if device.type == "cpu":
         # One contiguous, huge-page-backed buffer for the weights (kept for measuring its read speed).
         model.weight_arena = arena.materialize(model, dtype)
@@ -76,10 +110,66 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     model.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.eval()
     elapsed = time.perf_counter() - start
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s (%s, %.1fM parameters, %s) in %.2f s", os.path.basename(path.rstrip("/")),
-                hf_config["architectures"][0], n_params / 1e6, str(dtype).removeprefix("torch."), elapsed)
+    qweights = quantized_weights(model)
+    n_params = sum(p.numel() for p in model.parameters()) + sum(w.shape[0] * w.shape[1] for w in qweights)
+    formats = sorted({w.name for w in qweights})
+    kind = str(dtype).removeprefix("torch.") + (f" and {'/'.join(formats)}" if formats else "")
+    logger.info("loaded %s (%s, %.1fM parameters, %s; weights %.1f MiB) in %.2f s",
+                os.path.basename(path.rstrip("/")), hf_config["architectures"][0], n_params / 1e6, kind,
+                weight_bytes(model) / 2**20, elapsed)
     return LoadedModel(model, hf_config, tokenizer, generation_config, path, elapsed)
+
+
+def quantize_on_load(model: nn.Module, weights, quantization: str):
+    """Prepare the model's linear layers and embedding for int8 / int4 weights, and quantize their float
+    checkpoint tensors as they stream past (the float copy is never kept). Layers whose rows do not divide
+    into groups of 32 stay float."""
+    from tokenmill.model.layers import Embedding
+
+    linear_type, edge_type = quant.QUANTIZE_TO[quantization]
+    if quant.load() is None:
+        raise ValueError(f"quantization {quantization!r} needs the quantized-weight kernels, which could not be "
+                         "built here (a C++ compiler is required)")
+    targets = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "quantize_weight"):
+            cols = module.embedding_dim if isinstance(module, Embedding) else module.in_features
+            if cols % 32 == 0:
+                targets[name] = edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type
+                module.quantize_weight()
+    model.quantized = bool(targets)
+    return _quantized_stream(model, weights, targets, quantization)
+
+
+def _quantized_stream(model: nn.Module, weights, targets: dict, quantization: str):
+    linear_type, edge_type = quant.QUANTIZE_TO[quantization]
+    start, before, after, count = time.perf_counter(), 0, 0, 0
+    for name, tensor in weights:
+        module_name = model._weight_module(name)[0] if name.endswith(".weight") else None
+        if module_name in targets and isinstance(tensor, torch.Tensor):
+            before += tensor.numel() * torch.empty((), dtype=model.norm.weight.dtype).element_size()
+            tensor = quant.quantize(tensor.reshape(tensor.shape[0], -1), targets[module_name], name)
+            after += tensor.nbytes
+            count += 1
+        yield name, tensor
+    logger.info("quantized %d weights to %s (%s; embedding and output layer %s) in %.2f s: %.1f MiB -> %.1f MiB",
+                count, quantization, quant.FORMATS[linear_type][0], quant.FORMATS[edge_type][0],
+                time.perf_counter() - start, before / 2**20, after / 2**20)
+
+
+def quantized_weights(model: nn.Module) -> list:
+    """Every QuantizedWeight the model's layers hold."""
+    out = []
+    for m in model.modules():
+        q = getattr(m, "qweight", None)
+        out.extend(q if isinstance(q, list) else [q] if q is not None else [])
+    return out
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights resident: float parameters plus quantized blocks."""
+    return (sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(w.nbytes for w in quantized_weights(model)))
 
 
 def load_tokenizer(path: str):

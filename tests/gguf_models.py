@@ -1,0 +1,98 @@
+"""Tiny Llama GGUF files with quantized tensors, written with the gguf package as llama.cpp's converter lays
+them out (q/k rows permuted, tokenizer in metadata): fixtures for the quantized-weight path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # the types gguf's Python code can quantize
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's interleaving of the rotary halves of a q/k projection (the loader undoes it)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """[rows, bytes per row] of valid K-format blocks: random quants and scales, the float16 super-block
+    scales set so that weights come out at about the size of a small model's (gguf cannot quantize to K
+    formats, and any bit pattern of the rest is a valid block)."""
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    scales = rng.uniform(2e-5, 1.5e-4, (rows, cols // block, 2)).astype(np.float16)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d: the last 2 bytes
+        data[..., -2:] = scales[..., :1].view(np.uint8)
+    else:  # d, dmin lead the block
+        data[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // block, 4)
+    return data.reshape(rows, -1)
+
+
+def write_llama_gguf(path, folder: str, types) -> str:
+    """The tiny Llama in `folder` (HF format, with its tokenizer) as a GGUF file. types(gguf name) gives each
+    weight's type name: F32, Q8_0/Q4_0/Q4_1/Q5_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K
+    (random blocks: the file's weights are then whatever those blocks hold). Norms stay F32."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    with open(f"{folder}/config.json") as f:
+        cfg = json.load(f)
+    state = load_file(f"{folder}/model.safetensors")
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng = np.random.default_rng(0)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    added = {a.content for a in tok.backend_tokenizer.get_added_tokens_decoder().values()}
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in added else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(cfg.get("bos_token_id", 1))
+    writer.add_eos_token_id(cfg.get("eos_token_id", 2))
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for hf, tensor in state.items():
+        if hf.startswith("model.layers."):
+            layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+            name = f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"
+        else:
+            name = names[hf]
+        w = tensor.to(torch.float32).numpy()
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _permute(w, heads if "attn_q" in name else kv_heads)
+        kind = "F32" if w.ndim == 1 else types(name)
+        if kind == "F32":
+            writer.add_tensor(name, np.ascontiguousarray(w))
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        data = gguf.quants.quantize(w, qtype) if kind in QUANTIZABLE else random_k_blocks(qtype, *w.shape, rng)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

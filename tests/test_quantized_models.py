@@ -1,0 +1,218 @@
+"""Quantized GGUF files run in their own formats: against the dequantized path, across scheduling modes,
+in memory, and with bad files."""
+
+import logging
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from tests.gguf_models import write_llama_gguf  # noqa: E402
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.kernels import quant  # noqa: E402
+from tokenmill.model.gguf_loader import GGUFFile  # noqa: E402
+from tokenmill.model.loader import quantized_weights, weight_bytes  # noqa: E402
+
+
+def _config(vocab: int):
+    from transformers import LlamaConfig
+
+    # Rows of 256 and 512: every format's blocks fit, the K formats' super-blocks included.
+    return {"llama256": LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    initializer_range=0.05, eos_token_id=2, bos_token_id=1, pad_token_id=0)}
+
+
+def _q4_k_m(name: str) -> str:  # llama.cpp's Q4_K_M mix: Q6_K for v and down, Q4_K elsewhere
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")):
+        return "Q6_K"
+    return "Q5_K" if name.startswith("token_embd") else "Q4_K"
+
+
+VARIANTS = {
+    "Q8_0": lambda name: "Q8_0",
+    "Q4_0": lambda name: "Q8_0" if name.startswith("output") else "Q4_0",
+    "Q4_1": lambda name: "Q4_1",
+    "Q4_K_M": _q4_k_m,
+    # q and k in different formats (one merged projection, two kernels); Q5_0 has no kernel (dequantized)
+    "mixed": lambda name: {"attn_q": "Q4_0", "attn_k": "Q8_0", "ffn_up": "Q5_0"}.get(name.split(".")[-2], "Q4_1"),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_files(tmp_path_factory):
+    from tests.conftest import save_tiny_models
+
+    if quant.load() is None:
+        pytest.skip("the quantized-weight kernels could not be built here")
+    root = tmp_path_factory.mktemp("qgguf")
+    folder = save_tiny_models(root, _config)["llama256"]
+    return {name: write_llama_gguf(root / f"{name}.gguf", folder, types) for name, types in VARIANTS.items()}
+
+
+PROMPTS = [[1, 5, 9, 33, 2, 17, 4, 88, 100, 7, 3, 250, 12, 64, 99, 31, 45, 6, 8, 10] * 3,
+           [300, 22, 11, 5, 5, 5, 91, 13], [42] * 7 + [43, 44, 45, 46, 47]]
+
+
+def _engine(path, **kw):
+    return LLM(path, dtype="float32", kv_cache_memory=kw.pop("kv_cache_memory", "16MiB"), **kw)
+
+
+def _teacher_forced(llm) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per prompt position after the first: the top-1 token, its margin over the second, and the logprob
+    of the prompt's token."""
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    top, margin, given = [], [], []
+    for prompt, out in zip(PROMPTS, outs):
+        for tok, pos in zip(prompt[1:], out.prompt_logprobs[1:]):
+            ranked = sorted(pos, key=lambda t: pos[t].rank)
+            top.append(ranked[0])
+            margin.append(pos[ranked[0]].logprob - pos[ranked[1]].logprob)
+            given.append(pos[tok].logprob)
+    return np.array(top), np.array(margin), np.array(given)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_native_agrees_with_dequantized(quantized_files, variant):
+    """Teacher-forced over the prompts, against the dequantized path: every logprob within 0.1 nats, the
+    same top-1 token wherever the reference's top two are more than 0.1 nats apart, and at least 95% of
+    all positions (a random model leaves near ties). Not exact equality: activations are multiplied as
+    int8 blocks, as llama.cpp does, which changes the rounding."""
+    path = quantized_files[variant]
+    native = _engine(path)
+    assert native.engine.model.quantized and quantized_weights(native.engine.model)
+    reference = _engine(path, quantization="none")
+    assert not reference.engine.model.quantized
+    top_n, _, given_n = _teacher_forced(native)
+    top_r, margin_r, given_r = _teacher_forced(reference)
+    assert np.max(np.abs(given_n - given_r)) < 0.1
+    assert np.all((top_n == top_r)[margin_r > 0.1])
+    assert np.mean(top_n == top_r) >= 0.95
+
+
+def _greedy(llm, prompts, n=12):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("variant", ["Q4_K_M", "mixed"])
+def test_scheduling_modes_give_the_same_tokens(quantized_files, variant):
+    """The quantized product of a row does not depend on the rows beside it: alone, batched, chunked,
+    preempted and prefix-cached runs give the same greedy tokens."""
+    path = quantized_files[variant]
+    alone_llm = _engine(path)
+    alone = [_greedy(alone_llm, [p])[0] for p in PROMPTS]
+    assert _greedy(alone_llm, PROMPTS) == alone  # batched
+    assert _greedy(alone_llm, PROMPTS) == alone  # again, prompts now in the prefix cache
+    chunked = _engine(path, max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    assert _greedy(chunked, PROMPTS) == alone
+    # 5 blocks of 16 tokens (32 KiB each) for three requests that grow to 40 tokens (3 blocks) each
+    small = _engine(path, kv_cache_memory=5 * 32768, max_model_len=48)
+    short = [p[:30] for p in PROMPTS]
+    assert _greedy(small, short, n=10) == [_greedy(alone_llm, [p], n=10)[0] for p in short]
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_memory_is_the_files(quantized_files):
+    """Resident weights: the file's tensor bytes (the blocks are not widened), norms in float32."""
+    path = quantized_files["Q4_K_M"]
+    llm = _engine(path)
+    reader = GGUFFile(path)
+    file_bytes = sum(t.data.nbytes for t in reader.tensors)
+    assert weight_bytes(llm.engine.model) <= 1.1 * file_bytes
+    dequantized = _engine(path, quantization="none")
+    assert weight_bytes(dequantized.engine.model) > 5 * file_bytes
+
+
+def test_types_without_kernel_are_dequantized_and_said(quantized_files, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        llm = _engine(quantized_files["mixed"])
+    assert "no kernel for Q5_0: 2 tensors dequantized at load (e.g. blk.0.ffn_up.weight)" in caplog.text
+    gate_up = llm.engine.model.layers[0].mlp.gate_up_proj
+    assert gate_up.qweight is None and gate_up.weight is not None  # up is float, so gate is dequantized too
+    qkv = llm.engine.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.qweight, list) and [w.name for w in qkv.qweight] == ["Q4_0", "Q8_0", "Q4_1"]
+
+
+def _patch_tensor_info(src, dst, tensor: str, first_dim: int | None = None, qtype: int | None = None):
+    """A copy of a GGUF file with one tensor's first dimension or type changed in its header."""
+    data = bytearray(open(src, "rb").read())
+    key = struct.pack("<Q", len(tensor)) + tensor.encode()
+    at = data.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    if first_dim is not None:
+        struct.pack_into("<Q", data, at + 4, first_dim)
+    if qtype is not None:
+        struct.pack_into("<I", data, at + 4 + 8 * n_dims, qtype)
+    open(dst, "wb").write(bytes(data))
+    return str(dst)
+
+
+def test_bad_files_name_the_tensor(quantized_files, tmp_path):
+    src = quantized_files["Q4_0"]
+    bad = _patch_tensor_info(src, tmp_path / "shape.gguf", "blk.1.attn_q.weight", first_dim=250)
+    with pytest.raises(ValueError, match=r"'blk.1.attn_q.weight' of shape \[250, 256\] does not divide into "
+                                         r"Q4_0 blocks of 32"):
+        _engine(bad)
+    bad = _patch_tensor_info(src, tmp_path / "type.gguf", "blk.0.ffn_down.weight", qtype=99)
+    with pytest.raises(ValueError, match="'blk.0.ffn_down.weight' has an unknown type 99"):
+        _engine(bad)
+
+
+def test_quantization_option_is_checked():
+    with pytest.raises(ValueError, match="quantization must be"):
+        LLM("x.gguf", quantization="int3")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3"])
+def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
+    """quantization='int8' / 'int4' on float weights: the layers hold Q8_0 / Q4_1 blocks (the embedding and
+    output layer Q8_0), and the logprobs match transformers running the same quantized weights (dequantized
+    into its float model) within the int8 rounding of the activations."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models[arch]
+    llm = LLM(folder, dtype="float32", quantization=mode, kv_cache_memory="16MiB")
+    model = llm.engine.model
+    linear_format = "Q8_0" if mode == "int8" else "Q4_1"
+    assert model.layers[0].mlp.down_proj.qweight.name == linear_format
+    assert model.layers[1].self_attn.qkv_proj.qweight.name == linear_format
+    assert model.embed_tokens.qweight.name == "Q8_0"
+    assert model.lm_head is None or model.lm_head.qweight.name == "Q8_0"
+
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() == 2:
+                qtype = 8 if mode == "int8" or "embed" in name or "lm_head" in name else 3
+                p.copy_(quant.quantize(p, qtype).dequantize())
+    prompts = [PROMPTS[1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
+        got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+        assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=0.1)
+
+
+def test_quantize_matches_gguf_dequantized_rounding():
+    """quantize() rounds to nearest: every weight within half a step of its group's scale."""
+    if quant.load() is None:
+        pytest.skip("the quantized-weight kernels could not be built here")
+    w = torch.randn(7, 96) * torch.linspace(0.01, 2, 7)[:, None]
+    for qtype in (8, 3):
+        got = quant.quantize(w, qtype).dequantize()
+        g = w.reshape(7, 3, 32)
+        step = ((g.amax(-1) - g.amin(-1)) / 15 if qtype == 3 else g.abs().amax(-1) / 127)[..., None]
+        err = (got.reshape(7, 3, 32) - g).abs()
+        assert torch.all(err <= step * 0.5 * 1.01 + 1e-6), (qtype, (err / step).max())
+
+
+def test_int4_on_a_quantized_file_is_refused(quantized_files):
+    with pytest.raises(ValueError, match=r"Q4_0.gguf is already quantized \(Q4_0, Q8_0\); quantization 'int4' "
+                                         "applies to float weights"):
+        _engine(quantized_files["Q4_0"], quantization="int4")
