@@ -1,0 +1,45 @@
+"""tokenmill eval perplexity: windows as llama-perplexity cuts them, scores against transformers."""
+
+import math
+
+import pytest
+import torch
+
+from tokenmill import LLM
+from tokenmill.eval import perplexity, windows
+
+
+def test_windows_score_the_second_half_once():
+    toks = list(range(100, 140))
+    wins = windows(toks, ctx=16, stride=16, bos=None)
+    assert [w[0] for w, _ in wins] == [100, 116]  # back to back; the last 8 tokens make no full window
+    assert all(first == 8 for _, first in wins)
+    half = windows(toks, ctx=16, stride=8, bos=7)
+    assert [w[:2] for w, _ in half] == [[7, 101], [7, 109], [7, 117], [7, 125]]  # BOS replaces the first token
+    quarter = windows(toks, ctx=16, stride=4, bos=None)
+    assert all(first == 12 for _, first in quarter)  # only the tokens the previous window did not score
+    with pytest.raises(ValueError, match="fewer than one window"):
+        windows(toks[:10], ctx=16, stride=16, bos=None)
+    with pytest.raises(ValueError, match="stride"):
+        windows(toks, ctx=16, stride=32, bos=None)
+
+
+def test_perplexity_matches_transformers(tiny_models):
+    """The same windows scored by transformers give the same perplexity."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TEXT
+
+    folder = tiny_models["llama"]
+    llm = LLM(folder, dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    text = TEXT * 3
+    got = perplexity(llm, text, ctx=32, stride=16, progress=False)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    losses = []
+    with torch.no_grad():
+        for w, first in windows(ids, 32, 16, None):
+            logp = model(torch.tensor([w])).logits[0].log_softmax(-1)
+            losses += [-logp[i - 1, w[i]].item() for i in range(first, 32)]
+    assert got.tokens_scored == len(losses) and got.windows == len(windows(ids, 32, 16, None))
+    assert got.perplexity == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-4)
