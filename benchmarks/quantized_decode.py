@@ -1,0 +1,84 @@
+"""Batch-1 decode of GGUF files, tokenmill against llama.cpp's llama-bench on the same files, alternated.
+
+Each round runs, for every file: tokenmill in a fresh process (load, one warm-up generation, then
+--tokens greedy tokens from a short prompt, timed) and `llama-bench -p 0 -n TOKENS` on the same file and
+thread count. Rounds alternate the engines, because this machine's memory bandwidth changes for minutes
+at a time; the figures are medians over the rounds. Also reported: tokenmill's resident memory after
+load next to the file's size.
+
+    python benchmarks/quantized_decode.py FILE.gguf [FILE.gguf ...] [--rounds 3] [--tokens 32]
+        [--quantization auto|none] [--llama-cpp-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+_CHILD = r"""
+import json, resource, sys, time
+from tokenmill import LLM, SamplingParams
+path, tokens, quantization = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = LLM(path, dtype="float32", kv_cache_memory="128MiB", quantization=quantization, enable_prefix_caching=False)
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
+t = time.perf_counter()
+llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
+print(json.dumps({"tok_s": tokens / (time.perf_counter() - t), "rss": rss}))
+"""
+
+
+def tokenmill_decode(path: str, tokens: int, quantization: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, path, str(tokens), quantization], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_bench_decode(exe: str, path: str, tokens: int, threads: int) -> float:
+    out = subprocess.run([exe, "-m", path, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "2", "-o", "json"],
+                         capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("files", nargs="+")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--llama-cpp-dir", default=os.path.expanduser("~/.cache/tokenmill/llama.cpp"))
+    args = p.parse_args()
+    exe = os.path.join(args.llama_cpp_dir, "bin", "llama-bench")
+    threads = len(os.sched_getaffinity(0))
+    ours = {f: [] for f in args.files}
+    theirs = {f: [] for f in args.files}
+    rss = {}
+    for r in range(args.rounds):
+        for f in args.files:
+            order = [0, 1] if r % 2 == 0 else [1, 0]
+            for engine in order:
+                if engine == 0:
+                    res = tokenmill_decode(f, args.tokens, args.quantization)
+                    ours[f].append(res["tok_s"])
+                    rss[f] = res["rss"]
+                else:
+                    theirs[f].append(llama_bench_decode(exe, f, args.tokens, threads))
+            print(f"round {r + 1}: {os.path.basename(f)} tokenmill {ours[f][-1]:.2f} llama.cpp {theirs[f][-1]:.2f} tok/s",
+                  flush=True)
+    print(f"\n| file | size | tokenmill RSS after load | tokenmill tok/s | llama-bench tg{args.tokens} tok/s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for f in args.files:
+        a, b = statistics.median(ours[f]), statistics.median(theirs[f])
+        print(f"| {os.path.basename(f)} | {os.path.getsize(f) / 2**20:.0f} MiB | {rss[f] / 2**20:.0f} MiB | {a:.2f} | "
+              f"{b:.2f} | {a / b:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
