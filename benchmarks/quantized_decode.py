@@ -22,11 +22,13 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 _CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 from tokenmill import LLM, SamplingParams
 path, tokens, quantization = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 llm = LLM(path, dtype="float32", kv_cache_memory="128MiB", quantization=quantization, enable_prefix_caching=False)
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+import gc
+gc.collect()
+rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
 sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
 t = time.perf_counter()

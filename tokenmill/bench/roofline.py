@@ -47,13 +47,21 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 7, device: to
 
 
 def weight_bytes(model) -> int:
-    """Bytes read per decoded token: every weight, the embedding only where it is also the output layer."""
+    """Bytes read per decoded token: every weight (float parameters and quantized blocks), the embedding
+    only where it is also the output layer."""
     total = 0
     for name, p in model.named_parameters():
         if name == "embed_tokens.weight" and model.lm_head is not None:
             total += p.shape[1] * p.element_size()  # one row looked up
         else:
             total += p.numel() * p.element_size()
+    for name, m in model.named_modules():
+        q = getattr(m, "qweight", None)
+        parts = q if isinstance(q, list) else [q] if q is not None else []
+        if name == "embed_tokens" and model.lm_head is not None:
+            total += sum(w.nbytes // w.shape[0] for w in parts)  # one row looked up
+        else:
+            total += sum(w.nbytes for w in parts)
     return total
 
 
@@ -69,6 +77,10 @@ def matmul_params(model) -> int:
     for name, p in model.named_parameters():
         if p.dim() == 2 and (name != "embed_tokens.weight" or model.lm_head is None):
             n += p.numel()
+    for name, m in model.named_modules():
+        q = getattr(m, "qweight", None)
+        if q is not None and (name != "embed_tokens" or model.lm_head is None):
+            n += sum(w.shape[0] * w.shape[1] for w in (q if isinstance(q, list) else [q]))
     return n
 
 
