@@ -43,3 +43,21 @@ def test_perplexity_matches_transformers(tiny_models):
             losses += [-logp[i - 1, w[i]].item() for i in range(first, 32)]
     assert got.tokens_scored == len(losses) and got.windows == len(windows(ids, 32, 16, None))
     assert got.perplexity == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-4)
+
+
+def test_eval_perplexity_command(tiny_models, tmp_path, capsys):
+    from tests.conftest import TEXT
+    from tokenmill.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 3)
+    folder = tiny_models["llama"]
+    assert main(["eval", "perplexity", folder, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--text", str(text),
+                 "--ctx", "32", "--stride", "16", "--max-windows", "3"]) == 0
+    out = capsys.readouterr().out
+    llm = LLM(folder, dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    want = perplexity(llm, TEXT * 3, ctx=32, stride=16, max_windows=3, progress=False)
+    assert want.windows == 3 and want.tokens_scored == 3 * 16
+    assert f"perplexity {want.perplexity:.4f}" in out and "over 48 tokens (3 windows of 32 tokens" in out
+    assert main(["eval", "perplexity", folder, "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read the text" in capsys.readouterr().err

@@ -98,5 +98,8 @@ def read_text(path: str | None) -> str:
         from tokenmill.data import default_text
 
         return default_text()
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the text {path!r}: {e}") from None
