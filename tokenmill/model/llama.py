@@ -9,7 +9,6 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.kernels.cpu import linear
 from tokenmill.model.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
