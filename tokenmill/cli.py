@@ -11,7 +11,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model folder, .gguf file or known name (default: the built-in smollm2-135m-instruct)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    g.add_argument("--quantization", default="auto",
                    help="auto: run a quantized GGUF in its own formats; none: dequantize its weights to --dtype; "
                         "int8 / int4: quantize float weights at load, in groups of 32 (default: auto)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")

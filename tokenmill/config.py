@@ -68,6 +68,9 @@ def _cpu_has_fast_bf16() -> bool:
         return False
 
 
+QUANTIZATION = ("auto", "none", "int8", "int4")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs besides the model itself."""
@@ -111,7 +114,7 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"quantization must be one of auto, none, int8, int4, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -56,8 +56,7 @@ def weight_bytes(model) -> int:
         else:
             total += p.numel() * p.element_size()
     for name, m in model.named_modules():
-        q = getattr(m, "qweight", None)
-        parts = q if isinstance(q, list) else [q] if q is not None else []
+        parts = getattr(m, "qparts", ())
         if name == "embed_tokens" and model.lm_head is not None:
             total += sum(w.nbytes // w.shape[0] for w in parts)  # one row looked up
         else:
@@ -78,9 +77,8 @@ def matmul_params(model) -> int:
         if p.dim() == 2 and (name != "embed_tokens.weight" or model.lm_head is None):
             n += p.numel()
     for name, m in model.named_modules():
-        q = getattr(m, "qweight", None)
-        if q is not None and (name != "embed_tokens" or model.lm_head is None):
-            n += sum(w.shape[0] * w.shape[1] for w in (q if isinstance(q, list) else [q]))
+        if name != "embed_tokens" or model.lm_head is None:
+            n += sum(w.shape[0] * w.shape[1] for w in getattr(m, "qparts", ()))
     return n
 
 

@@ -40,13 +40,9 @@ enum Type : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 
 constexpr int QK = 32;    // the activation block, and the block of the 32-element formats
 constexpr int QKK = 256;  // the super-block of the K formats
 
-struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
-struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
-struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "block size");
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "block size");
 
 inline float fp16(uint16_t h) {

@@ -117,9 +117,6 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def rows(self, start: int, end: int) -> "QuantizedWeight":
-        return QuantizedWeight(self.qtype, (end - start, self.shape[1]), self.data[start:end])
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W^T -> [..., N] in x's dtype."""
         lead = x.shape[:-1]

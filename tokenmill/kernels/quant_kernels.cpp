@@ -150,24 +150,11 @@ torch::Tensor repack(const torch::Tensor& blocks, int64_t type, int64_t K, std::
   return out;
 }
 
-// The int8 activation blocks qmatmul computes with: (q [M, K] int8, d [M, K/32], s [M, K/32]).
-std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % tmq::QK == 0, "activation must be [M, a multiple of 32]");
-  torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nb = K / tmq::QK;
-  torch::Tensor q = torch::empty({M, K}, torch::kInt8), d = torch::empty({M, nb}), s = torch::empty({M, nb});
-  for (int64_t m = 0; m < M; ++m)
-    tmq::quantize_activation_row(x.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K,
-                                 d.data_ptr<float>() + m * nb, s.data_ptr<float>() + m * nb);
-  return {q, d, s};
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x [M, K] @ W^T for a block-quantized W [N, bytes per row]");
   m.def("repack", &repack, "GGUF blocks into the kernel's layout of the same bytes", py::arg("blocks"),
         py::arg("type"), py::arg("K"), py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "rows of a block-quantized matrix as float32");
-  m.def("quantize_activations", &quantize_activations, "activation rows as int8 blocks of 32 with scales");
 #ifdef TM_QUANT_AVX512
   m.attr("vectorized") = true;
 #else

@@ -184,6 +184,20 @@ _MERGED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.g
 _FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 
 
+def quantized_types(reader: GGUFFile) -> list[str]:
+    """Names of the file's tensor types that are not float (F32, F16, BF16)."""
+    return sorted({t.tensor_type.name for t in reader.tensors if int(t.tensor_type) not in _FLOAT_TYPES})
+
+
+def _merged_group(name: str) -> list[str]:
+    """The Hugging Face names of the parts of the merged projection `name` belongs to (itself alone if none)."""
+    m = re.match(r"(model\.layers\.\d+\.)(.+)\.weight$", name)
+    for parts in _MERGED if m else []:
+        if m.group(2) in parts:
+            return [f"{m.group(1)}{p}.weight" for p in parts]
+    return [name]
+
+
 def quantized_plan(reader: GGUFFile) -> set[str]:
     """Hugging Face names of the weights that stay in their GGUF block format: the linear layers' and the
     embedding's, where a kernel runs that format. Other quantized tensors are dequantized at load, logged."""
@@ -204,15 +218,7 @@ def quantized_plan(reader: GGUFFile) -> set[str]:
     if candidates and quant.load() is None:
         logger.warning("quantized-weight kernels unavailable: every quantized tensor is dequantized at load")
         return set()
-    plan = set(candidates)
-    for name in candidates:
-        m = re.match(r"(model\.layers\.\d+\.)(.+)\.weight$", name)
-        for group in _MERGED if m else []:
-            if m.group(2) in group:
-                members = {f"{m.group(1)}{g}.weight" for g in group}
-                if not members <= candidates:
-                    plan -= members
-    return plan
+    return {name for name in candidates if set(_merged_group(name)) <= candidates}
 
 
 def quantized_layout(reader: GGUFFile, plan: set[str]) -> tuple[dict[str, tuple[int, int, int]], int]:
@@ -225,13 +231,8 @@ def quantized_layout(reader: GGUFFile, plan: set[str]) -> tuple[dict[str, tuple[
         hf = _hf_name(t.name)
         if hf not in plan or hf in layout:
             continue
-        group = [hf]
-        m = re.match(r"(model\.layers\.\d+\.)(.+)\.weight$", hf)
-        for parts in _MERGED if m else []:
-            if m.group(2) in parts:
-                group = [f"{m.group(1)}{p}.weight" for p in parts]
         total = -(-total // 64) * 64
-        for name in group:
+        for name in _merged_group(hf):
             data = by_name[name].data if name in by_name else None
             if data is None or name not in plan:
                 raise ValueError(f"GGUF file lacks {name!r}, a part of a merged projection")

@@ -77,8 +77,10 @@ class _QuantizableLinear(nn.Module):
     meta-device model drops the float parameter before any memory is allocated for it; the loader then
     hands over the quantized matrix, in parts for merged projections."""
 
+    in_features: int
     out_sizes: list[int]
     qweight = None  # QuantizedWeight, or a list of them (one per part) where the parts' formats differ
+    _qparts: list | None = None  # the parts as they arrive; None: a float layer
 
     def quantize_weight(self) -> None:
         self.register_parameter("weight", None)
@@ -86,14 +88,24 @@ class _QuantizableLinear(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        return hasattr(self, "_qparts")
+        return self._qparts is not None
+
+    @property
+    def qparts(self) -> list:
+        """The quantized matrices this layer holds (none for a float layer)."""
+        q = self.qweight
+        return q if isinstance(q, list) else [] if q is None else [q]
+
+    @property
+    def missing_parts(self) -> bool:
+        return self._qparts is not None and any(p is None for p in self._qparts)
 
     def load_quantized(self, index: int, qweight) -> None:
         if qweight.shape != (self.out_sizes[index], self.in_features):
             raise ValueError(f"checkpoint tensor has shape {qweight.shape}, expected "
                              f"{(self.out_sizes[index], self.in_features)}")
         self._qparts[index] = qweight
-        if all(p is not None for p in self._qparts):
+        if not self.missing_parts:
             from tokenmill.kernels.quant import QuantizedWeight
 
             parts = self._qparts
@@ -103,8 +115,6 @@ class _QuantizableLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qweight
         if q is None:
-            if self.quantized:
-                raise RuntimeError("a quantized linear layer was used before its weights were loaded")
             return linear(x, self.weight, self.bias)
         y = torch.cat([p.matmul(x) for p in q], dim=-1) if isinstance(q, list) else q.matmul(x)
         return y if self.bias is None else y + self.bias
@@ -145,30 +155,16 @@ class Linear(_QuantizableLinear):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
 
-class Embedding(nn.Module):
-    """Token embedding; with a quantized table, the looked-up rows are dequantized (and the table serves
-    as the output layer where the two are tied)."""
-
-    qweight = None
+class Embedding(_QuantizableLinear):
+    """Token embedding: a [vocab, hidden] table, float or quantized (the looked-up rows are then
+    dequantized), which serves as the output layer where the two are tied."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.in_features, self.out_sizes = embedding_dim, [num_embeddings]
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-
-    def quantize_weight(self) -> None:
-        self.register_parameter("weight", None)
-        self._qparts = [None]
-
-    @property
-    def quantized(self) -> bool:
-        return hasattr(self, "_qparts")
-
-    def load_quantized(self, index: int, qweight) -> None:
-        if qweight.shape != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"checkpoint tensor has shape {qweight.shape}, expected "
-                             f"{(self.num_embeddings, self.embedding_dim)}")
-        self._qparts[0] = self.qweight = qweight
+        self.bias = None
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.qweight is not None:
@@ -177,7 +173,7 @@ class Embedding(nn.Module):
 
     def as_output(self, x: torch.Tensor) -> torch.Tensor:
         """x @ table^T: logits through a tied output layer."""
-        return self.qweight.matmul(x) if self.qweight is not None else linear(x, self.weight)
+        return super().forward(x)
 
 
 class GatedMLP(nn.Module):

@@ -280,7 +280,6 @@ class LlamaForCausalLM(nn.Module):
                 p.copy_(tensor)
             loaded.add(name)
         missing = set(params) - loaded
-        missing |= {f"{n}.weight" for n, m in self.named_modules()
-                    if any(p is None for p in m.__dict__.get("_qparts", ()))}
+        missing |= {f"{n}.weight" for n, m in self.named_modules() if getattr(m, "missing_parts", False)}
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
+from tokenmill.config import QUANTIZATION
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels import quant
 from tokenmill.model import arena, gguf_loader
@@ -41,9 +42,6 @@ class LoadedModel:
         return tuple(dict.fromkeys(ids))
 
 
-QUANTIZATION = ("auto", "none", "int8", "int4")
-
-
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                max_positions: int | None = None, quantization: str = "auto") -> LoadedModel:
     """Resolve the name (None: the default model), read config and tokenizer, build and fill the model.
@@ -62,7 +60,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
         tokenizer = gguf_loader.build_tokenizer(reader) or _transformers_gguf_tokenizer(path)
         if quantization == "auto" and device.type == "cpu":
             quantized = gguf_loader.quantized_plan(reader)
-        elif quantization == "auto" and any(int(t.tensor_type) not in (0, 1, 30) for t in reader.tensors):
+        elif quantization == "auto" and gguf_loader.quantized_types(reader):
             logger.info("quantized GGUF weights are dequantized to %s on %s (their kernels run on the CPU)",
                         str(dtype).removeprefix("torch."), device.type)
         place = None
@@ -72,7 +70,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
             place = {name: buffer[off:off + rows * row_bytes].view(rows, row_bytes)
                      for name, (off, rows, row_bytes) in layout.items()}
         if quantization in quant.QUANTIZE_TO:
-            kinds = sorted({t.tensor_type.name for t in reader.tensors if int(t.tensor_type) not in (0, 1, 30)})
+            kinds = gguf_loader.quantized_types(reader)
             if kinds:
                 raise ValueError(f"{os.path.basename(path)} is already quantized ({', '.join(kinds)}); quantization "
                                  f"{quantization!r} applies to float weights (F32/F16/BF16 GGUF files, Hugging Face "
@@ -124,7 +122,7 @@ def quantize_on_load(model: nn.Module, weights, quantization: str):
     """Prepare the model's linear layers and embedding for int8 / int4 weights, and quantize their float
     checkpoint tensors as they stream past (the float copy is never kept). Layers whose rows do not divide
     into groups of 32 stay float."""
-    from tokenmill.model.layers import Embedding
+    from tokenmill.model.layers import Embedding, _QuantizableLinear
 
     linear_type, edge_type = quant.QUANTIZE_TO[quantization]
     if quant.load() is None:
@@ -132,11 +130,9 @@ def quantize_on_load(model: nn.Module, weights, quantization: str):
                          "built here (a C++ compiler is required)")
     targets = {}
     for name, module in model.named_modules():
-        if hasattr(module, "quantize_weight"):
-            cols = module.embedding_dim if isinstance(module, Embedding) else module.in_features
-            if cols % 32 == 0:
-                targets[name] = edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type
-                module.quantize_weight()
+        if isinstance(module, _QuantizableLinear) and module.in_features % 32 == 0:
+            targets[name] = edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type
+            module.quantize_weight()
     model.quantized = bool(targets)
     return _quantized_stream(model, weights, targets, quantization)
 
@@ -147,7 +143,7 @@ def _quantized_stream(model: nn.Module, weights, targets: dict, quantization: st
     for name, tensor in weights:
         module_name = model._weight_module(name)[0] if name.endswith(".weight") else None
         if module_name in targets and isinstance(tensor, torch.Tensor):
-            before += tensor.numel() * torch.empty((), dtype=model.norm.weight.dtype).element_size()
+            before += tensor.numel() * model.norm.weight.element_size()
             tensor = quant.quantize(tensor.reshape(tensor.shape[0], -1), targets[module_name], name)
             after += tensor.nbytes
             count += 1
@@ -159,11 +155,7 @@ def _quantized_stream(model: nn.Module, weights, targets: dict, quantization: st
 
 def quantized_weights(model: nn.Module) -> list:
     """Every QuantizedWeight the model's layers hold."""
-    out = []
-    for m in model.modules():
-        q = getattr(m, "qweight", None)
-        out.extend(q if isinstance(q, list) else [q] if q is not None else [])
-    return out
+    return [w for m in model.modules() for w in getattr(m, "qparts", ())]
 
 
 def weight_bytes(model: nn.Module) -> int:
