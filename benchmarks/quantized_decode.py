@@ -1,9 +1,10 @@
-"""Batch-1 decode of GGUF files, tokenmill against llama.cpp's llama-bench on the same files, alternated.
+"""Batch-1 decode and 512-token prefill of GGUF files, tokenmill against llama.cpp's llama-bench on the same
+files, alternated.
 
 Each round runs, for every file: tokenmill in a fresh process (load, one warm-up generation, then
---tokens greedy tokens from a short prompt, timed) and `llama-bench -p 0 -n TOKENS` on the same file and
-thread count. Rounds alternate the engines, because this machine's memory bandwidth changes for minutes
-at a time; the figures are medians over the rounds. Also reported: tokenmill's resident memory after
+--tokens greedy tokens from a short prompt, timed; then one 512-token prompt, timed after a warm-up) and
+`llama-bench -p 512 -n TOKENS` on the same file and thread count. Rounds alternate the engines, because
+this machine's memory bandwidth changes for minutes at a time; the figures are medians over the rounds. Also reported: tokenmill's resident memory after
 load next to the file's size.
 
     python benchmarks/quantized_decode.py FILE.gguf [FILE.gguf ...] [--rounds 3] [--tokens 32]
@@ -25,7 +26,8 @@ _CHILD = r"""
 import json, sys, time
 from tokenmill import LLM, SamplingParams
 path, tokens, quantization = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-llm = LLM(path, dtype="float32", kv_cache_memory="128MiB", quantization=quantization, enable_prefix_caching=False)
+llm = LLM(path, dtype="float32", kv_cache_memory="128MiB", quantization=quantization, enable_prefix_caching=False,
+          max_num_batched_tokens=512)
 import gc
 gc.collect()
 rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
@@ -33,7 +35,13 @@ sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
 t = time.perf_counter()
 llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
-print(json.dumps({"tok_s": tokens / (time.perf_counter() - t), "rss": rss}))
+decode = tokens / (time.perf_counter() - t)
+prompt = [(i * 7919) % 40000 + 100 for i in range(512)]  # one 512-token prompt, one step (no chunking)
+one = SamplingParams(max_tokens=1, temperature=0)
+llm.generate([prompt], one, use_tqdm=False)
+t = time.perf_counter()
+llm.generate([prompt], one, use_tqdm=False)
+print(json.dumps({"tok_s": decode, "pp_s": 512 / (time.perf_counter() - t), "rss": rss}))
 """
 
 
@@ -43,10 +51,13 @@ def tokenmill_decode(path: str, tokens: int, quantization: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def llama_bench_decode(exe: str, path: str, tokens: int, threads: int) -> float:
-    out = subprocess.run([exe, "-m", path, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "2", "-o", "json"],
-                         capture_output=True, text=True, check=True)
-    return float(json.loads(out.stdout)[0]["avg_ts"])
+def llama_bench(exe: str, path: str, tokens: int, threads: int) -> tuple[float, float]:
+    """(decode tok/s over `tokens` tokens, prefill tok/s of a 512-token prompt)."""
+    out = subprocess.run([exe, "-m", path, "-p", "512", "-n", str(tokens), "-t", str(threads), "-r", "2",
+                          "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    return (next(float(r["avg_ts"]) for r in rows if r["n_gen"] > 0),
+            next(float(r["avg_ts"]) for r in rows if r["n_prompt"] > 0))
 
 
 def main() -> None:
@@ -61,6 +72,8 @@ def main() -> None:
     threads = len(os.sched_getaffinity(0))
     ours = {f: [] for f in args.files}
     theirs = {f: [] for f in args.files}
+    ours_pp = {f: [] for f in args.files}
+    theirs_pp = {f: [] for f in args.files}
     rss = {}
     for r in range(args.rounds):
         for f in args.files:
@@ -69,17 +82,22 @@ def main() -> None:
                 if engine == 0:
                     res = tokenmill_decode(f, args.tokens, args.quantization)
                     ours[f].append(res["tok_s"])
+                    ours_pp[f].append(res["pp_s"])
                     rss[f] = res["rss"]
                 else:
-                    theirs[f].append(llama_bench_decode(exe, f, args.tokens, threads))
+                    tg, pp = llama_bench(exe, f, args.tokens, threads)
+                    theirs[f].append(tg)
+                    theirs_pp[f].append(pp)
             print(f"round {r + 1}: {os.path.basename(f)} tokenmill {ours[f][-1]:.2f} llama.cpp {theirs[f][-1]:.2f} tok/s",
                   flush=True)
-    print(f"\n| file | size | tokenmill RSS after load | tokenmill tok/s | llama-bench tg{args.tokens} tok/s | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"\n| file | size | tokenmill RSS after load | tokenmill tok/s | llama-bench tg{args.tokens} tok/s | ratio "
+          "| tokenmill prefill 512 tok/s | llama-bench pp512 tok/s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for f in args.files:
         a, b = statistics.median(ours[f]), statistics.median(theirs[f])
+        c, d = statistics.median(ours_pp[f]), statistics.median(theirs_pp[f])
         print(f"| {os.path.basename(f)} | {os.path.getsize(f) / 2**20:.0f} MiB | {rss[f] / 2**20:.0f} MiB | {a:.2f} | "
-              f"{b:.2f} | {a / b:.2f}x |")
+              f"{b:.2f} | {a / b:.2f}x | {c:.1f} | {d:.1f} | {c / d:.2f}x |")
 
 
 if __name__ == "__main__":
