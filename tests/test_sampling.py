@@ -170,6 +170,27 @@ def test_penalties_hand_computed():
     assert torch.allclose(logits, torch.tensor([[2.0, -2.0, -0.5, 0.5, -2.0]]))
 
 
+def test_overflowing_logits_still_draw_a_token_of_the_vocabulary(tiny_models):
+    """A repetition penalty just above 0 (or a tiny temperature) overflows the penalised logits to inf, and
+    the softmax of a row holding inf is NaN: the draw must still give a token of the vocabulary, the one at
+    inf where there is one, and a row with nothing to draw from its greedy choice."""
+    sampler = Sampler(5, seed=0)
+    reqs = [Request(f"r{i}", [0], SamplingParams(temperature=1.0, seed=i), 8) for i in range(3)]
+    logits = torch.tensor([[1.0, float("inf"), 0.0, -1.0, 2.0],
+                           [float("nan")] * 5,
+                           [float("-inf"), float("-inf"), 3.0, float("inf"), float("inf")]])
+    tokens, _ = sampler(logits, reqs)
+    assert tokens[0] == 1 and 0 <= tokens[1] < 5 and tokens[2] in (3, 4)
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    vocab = llm.engine.vocab_size
+    prompt = PROMPTS[0]
+    for params in (SamplingParams(repetition_penalty=5e-324, seed=0, max_tokens=6, ignore_eos=True),
+                   SamplingParams(repetition_penalty=5e-324, temperature=0.5, top_p=0.9, seed=1, max_tokens=6,
+                                  ignore_eos=True)):
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 6 and all(0 <= t < vocab for t in out.token_ids)
+
+
 def test_logit_bias_forces_token(tiny_models):
     llm = LLM(tiny_models["llama"], dtype="float32")
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
