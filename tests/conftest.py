@@ -115,38 +115,3 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _emulated_kernels() -> None:
-    """With TOKENMILL_TEST_EMULATE_BF16=1 on a CPU with AVX-512 but without its BF16 instructions, build the
-    CPU kernels with those instructions emulated (tests/bf16_emulation.h) so that the kernel, burst and
-    fused-decoder tests run instead of being skipped. Test use only: the emulation is slow."""
-    import hashlib
-
-    from tokenmill.kernels import cpu as cpu_kernels
-
-    with open("/proc/cpuinfo") as f:
-        flags = f.read()
-    if "avx512_bf16" in flags or "avx512f" not in flags:
-        return
-    here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "bf16_emulation.h")) as f, open(cpu_kernels._SOURCE) as g:
-        text = f.read() + "\n" + g.read()
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions")),
-                          "tokenmill_emulated_sources")
-    os.makedirs(folder, exist_ok=True)
-    source = os.path.join(folder, f"kernels_{digest}.cpp")
-    if not os.path.exists(source):
-        with open(source, "w") as f:
-            f.write(text)
-    from torch.utils.cpp_extension import load
-
-    cpu_kernels._module = load(name=f"tokenmill_cpu_kernels_emulated_{digest}", sources=[source],
-                               extra_cflags=["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], verbose=False)
-    cpu_kernels._tried = True
-
-
-if os.environ.get("TOKENMILL_TEST_EMULATE_BF16") == "1":
-    _emulated_kernels()

@@ -1,4 +1,4 @@
-"""The bf16 decode kernel against a float32 matmul reference."""
+"""The CPU decode kernels against float32/float64 references."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from tokenmill.kernels import cpu as cpu_kernels
 
 kernel = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="needs AVX-512 BF16 and a C++ compiler")
+pytestmark = pytest.mark.skipif(kernel is None, reason="needs AVX-512 and a C++ compiler")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
@@ -188,21 +188,25 @@ def _tiny_fused_decoder(num_layers=2, cache_slots=64, block_size=4, positions=32
     angles = torch.arange(positions)[:, None] * torch.rand(d // 2, generator=g)[None]
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
     ones = torch.ones(hidden).bfloat16()
-    dec = kernel.FusedDecoder(h, kvh, d, inter, 1e-6, d ** -0.5, block_size, ones, rand(vocab, hidden), cos, sin)
+    def dense(*shape):
+        return [(rand(*shape), 30)]
+
+    dec = kernel.FusedDecoderBF16(h, kvh, d, inter, 1e-6, d ** -0.5, block_size, ones, dense(vocab, hidden),
+                                  dense(vocab, hidden), cos, sin)
     caches = []
     for i in range(num_layers):
         kc, vc = (torch.zeros(cache_slots, kvh, d).bfloat16() for _ in range(2))
-        dec.add_layer(ones, rand((h + 2 * kvh) * d, hidden), None, None, None, rand(hidden, h * d), None, ones,
-                      rand(2 * inter, hidden), None, rand(hidden, inter), None, kc, vc, 5 * i)
+        dec.add_layer(ones, dense((h + 2 * kvh) * d, hidden), None, None, None, dense(hidden, h * d), None, ones,
+                      dense(2 * inter, hidden), None, dense(hidden, inter), None, kc, vc, 5 * i)
         caches += [kc, vc]
-    return dec, caches, rand(vocab, hidden)
+    return dec, caches
 
 
 def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
     """Each bookkeeping error a step can carry (a slot past the cache, a block id past it, a length past
     the block table, a position past the rotary table, a token past the vocabulary) raises before the
     step writes anything, in each entry point; the decoder then runs valid steps as before."""
-    dec, caches, head = _tiny_fused_decoder()
+    dec, caches = _tiny_fused_decoder()
     # Request 0: 6 tokens in blocks 0, 1 (column 2 padding); request 1: 10 tokens in blocks 2, 3, 4.
     good = dict(ids=torch.tensor([3, 7]), pos=torch.tensor([5, 9]), slots=torch.tensor([5, 17]),
                 bt=torch.tensor([[0, 1, 0], [2, 3, 4]]), lens=torch.tensor([6, 10]))
@@ -221,13 +225,13 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
         "sequence length 13 is not covered": with_(lens=(1, 13)),
         "sequence length 0 is below 1": with_(lens=(0, 0)),
         "position beyond the rotary table": with_(pos=(1, 32)),
-        "token id out of range": with_(ids=(0, 50)),
+        r"token id 50 is out of range \[0, 50\)": with_(ids=(0, 50)),
     }
     entry_points = {
         "forward": lambda s: dec.forward(s["ids"], s["pos"], s["slots"], s["bt"], s["lens"]),
-        "logits": lambda s: dec.logits(s["ids"], s["pos"], s["slots"], s["bt"], s["lens"], head),
+        "logits": lambda s: dec.logits(s["ids"], s["pos"], s["slots"], s["bt"], s["lens"]),
         "decode_greedy": lambda s: dec.decode_greedy(s["ids"], s["pos"], s["slots"][None], s["bt"], s["lens"],
-                                                     head, [[], []]),
+                                                     [[], []]),
     }
     padded = with_(bt=((0, 2), 10 ** 9))  # a column past request 0's length is never read
     want = entry_points["forward"](good)
@@ -240,11 +244,11 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
     # A burst: every step's slots, and the lengths its last step reaches, are checked before it starts.
     burst = dict(good, slots=torch.tensor([[5, 17], [6, 18], [64, 19]]))
     with pytest.raises(RuntimeError, match="cache slot 64"):
-        dec.decode_greedy(burst["ids"], burst["pos"], burst["slots"], burst["bt"], burst["lens"], head, [[], []])
+        dec.decode_greedy(burst["ids"], burst["pos"], burst["slots"], burst["bt"], burst["lens"], [[], []])
     slots = torch.tensor([[5, 17], [6, 18], [7, 19]])
     with pytest.raises(RuntimeError, match="sequence length 13 is not covered"):
-        dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], torch.tensor([6, 11]), head, [[], []])
+        dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], torch.tensor([6, 11]), [[], []])
     assert all(torch.equal(b, c) for b, c in zip(before, caches)), "a refused step wrote to the cache"
     assert torch.equal(entry_points["forward"](good), want)
-    tokens = dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], good["lens"], head, [[], []])
+    tokens = dec.decode_greedy(good["ids"], good["pos"], slots, good["bt"], good["lens"], [[], []])
     assert tokens.shape == (3, 2)

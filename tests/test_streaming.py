@@ -28,7 +28,7 @@ class StandIn:
     def interrupt(self) -> None:
         pass
 
-    def decode_greedy(self, input_ids, positions, slots, block_tables, seq_lens, lm_head, stop_ids):
+    def decode_greedy(self, input_ids, positions, slots, block_tables, seq_lens, stop_ids):
         import torch
 
         rows = [[self.tokens[j]] * input_ids.shape[0] for j in range(slots.shape[0])]

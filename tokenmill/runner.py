@@ -75,7 +75,7 @@ class ModelRunner:
             if interrupted():
                 return None
             tokens = fused.decode_greedy(input_ids, positions, slots, meta.decode_block_tables, meta.decode_seq_lens,
-                                         self.model.output_weight().detach(), stop_ids)
+                                         stop_ids)
         finally:
             self._burst = None
         ids = [s.request.request_id for s in items]

@@ -6,12 +6,14 @@
   with the `vdpbf16ps` instruction, and prefetches the weight stream ahead of itself.
 - paged_decode_attention: single-query attention read straight from the paged KV cache through each
   request's block table, so the keys and values are read once and never gathered into a copy.
-- FusedDecoder: a whole decode step of a Llama-family decoder in one call (the model builds it from
-  its own weights), so the small per-layer operations cost no Python dispatch.
+- FusedDecoderF32 / FusedDecoderBF16: a whole decode step of a Llama-family decoder in one call (the
+  model builds it from its own weights, dense or in GGUF block formats), so the small per-layer
+  operations cost no Python dispatch.
 
-They are written here because no maintained library ships such kernels for torch on the CPU. Where
-they cannot be built (no compiler, no AVX-512 BF16) the engine keeps its torch code paths. torch
-caches the build per machine (~/.cache/torch_extensions).
+They are written here because no maintained library ships such kernels for torch on the CPU. They need
+AVX-512 (F, BW, VL, DQ); its BF16 instructions are emulated where the CPU lacks them (bf16 models run
+slower there; such CPUs default to float32). Where they cannot be built (no compiler, no AVX-512) the
+engine keeps its torch code paths. torch caches the build per machine (~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
@@ -24,31 +26,41 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_DIR, "cpu_kernels.cpp")
+_HEADERS = [os.path.join(_DIR, "quant.h")]
+_NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # the kernels' instruction sets
 
 _module = None
 _tried = False
 
 
-def _cpu_supports() -> bool:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return set()
 
 
 def build(source: str) -> object:
-    """Compiles a kernel source file (this package's, or another version of it to compare against)."""
+    """Compiles a kernel source file (this package's, or another version of it to compare against) for
+    this CPU: with its AVX-512 BF16 instructions where it has them, emulated where it does not."""
     from torch.utils.cpp_extension import load as compile_extension
 
-    with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    # The name carries the source's digest: a changed source never meets a stale build.
+    digest = hashlib.sha256()
+    for path in [source, *_HEADERS]:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    # -march=native: the build is for this CPU, so the name carries its flags as well as the sources
+    # (a changed source or another CPU never meets a stale build).
+    digest.update(" ".join(sorted(_cpu_flags())).encode())
     return compile_extension(
-        name=f"tokenmill_cpu_kernels_{digest}", sources=[source],
-        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
-        extra_ldflags=["-fopenmp"], verbose=False)
+        name=f"tokenmill_cpu_kernels_{digest.hexdigest()[:12]}", sources=[source],
+        extra_cflags=["-O3", "-march=native", f"-I{_DIR}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def load() -> object | None:
@@ -59,8 +71,9 @@ def load() -> object | None:
     _tried = True
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return None
-    if not _cpu_supports():
-        logger.info("CPU lacks AVX-512 BF16: decode uses torch's own kernels")
+    missing = [f for f in _NEEDED if f not in _cpu_flags()]
+    if missing:
+        logger.info("CPU lacks %s: decode uses torch's own kernels", ", ".join(missing))
         return None
     try:
         _module = build(_SOURCE)

@@ -1,12 +1,14 @@
-// CPU kernels for the decode step (AVX-512 BF16), built on first use by tokenmill/kernels/cpu.py.
+// CPU kernels for the decode step (AVX-512), built on first use by tokenmill/kernels/cpu.py.
 //
 // - gemv_bf16: y = x W^T for a few rows of x. Decoding reads every weight once per step, so the step is
 //   bound by memory bandwidth; each thread streams its share of W once per pass over the rows.
 // - paged_decode_attention: single-query attention read straight from the paged KV cache through each
 //   request's block table (no gather into a copy).
-// - FusedDecoder: a whole decode step of a Llama-family decoder (norms, projections, rotary, cache
-//   write, attention, SwiGLU, residuals) in one call, so that the hundreds of small per-layer tensor
-//   operations cost no Python dispatch. Rounding to bfloat16 happens where the eager model rounds.
+// - FusedDecoderF32 / FusedDecoderBF16: a whole decode step of a Llama-family decoder (norms,
+//   projections, rotary, cache write, attention, SwiGLU, residuals) in one call, so that the hundreds of
+//   small per-layer tensor operations cost no Python dispatch. Activations, residual stream and KV cache
+//   are in the model's dtype (bf16 values rounded where the eager model rounds them); each weight matrix
+//   is dense in that dtype or in a GGUF block format (quant.h), part by part.
 //
 // Every entry point releases the GIL: the server's event loop keeps running while a step computes.
 
@@ -29,6 +31,32 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "quant.h"
+
+#ifndef __AVX512BF16__
+// CPUs with AVX-512 but without its BF16 extension (Skylake-SP to Ice Lake, Zen 3): the two BF16
+// instructions the kernels use, done with AVX-512F. Same results (a product of two bf16 values is exact in
+// float32, so two fused multiply-adds round as the instruction does), a few times slower; such CPUs run
+// models in float32 by default, where neither is used.
+static inline __m256bh emulated_cvtneps_pbh(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));  // to nearest even
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));  // NaN stays NaN (quiet)
+  return (__m256bh)_mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline __m512 emulated_dpbf16_ps(__m512 acc, __m512bh a, __m512bh b) {
+  const __m512i ai = (__m512i)a, bi = (__m512i)b, high = _mm512_set1_epi32((int)0xffff0000u);
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(ai, high)),
+                        _mm512_castsi512_ps(_mm512_and_si512(bi, high)), acc);  // the odd elements, then the even
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(ai, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(bi, 16)),
+                         acc);
+}
+#define _mm512_cvtneps_pbh emulated_cvtneps_pbh
+#define _mm512_dpbf16_ps emulated_dpbf16_ps
+#endif
 
 namespace {
 
@@ -102,6 +130,11 @@ class Lookahead {
   inline void line() {
     if (step_to_next()) __builtin_prefetch(p_, 0, Locality), p_ += 64;
   }
+  // As many lines as `bytes` of the stream hold (what is left over counts towards the next call): for
+  // reads that do not come in whole lines, the rows of a block-quantized matrix.
+  inline void bytes(int64_t n) {
+    for (owed_ += n; owed_ >= 64; owed_ -= 64) line();
+  }
 
  private:
   inline void step() {
@@ -123,36 +156,77 @@ class Lookahead {
   bool wrap_ = false;
   const char* p_ = nullptr;
   const char* end_ = nullptr;
+  int64_t owed_ = 0;
 };
 
 using NearAhead = Lookahead<3>;
 using FarAhead = Lookahead<2>;
 
-// Where a GEMV leaves its result y [M, N]: stored, or (accumulate) added to the bf16 values already there,
-// after rounding to bf16 as a separate linear layer followed by a residual add would.
-inline void put(uint16_t* y, float v, const uint16_t* bias, int64_t n, bool accumulate) {
-  if (bias) v += from_bf16(bias[n]);
-  *y = accumulate ? to_bf16(from_bf16(*y) + from_bf16(to_bf16(v))) : to_bf16(v);
+// ------------------------------------------------------------------------------------ activation types
+
+// The decoder's activations are float32 (float) or bfloat16 (its bits, uint16_t): the model's dtype.
+// bf16 values are rounded where the eager model rounds them; float32 ones need no rounding.
+template <typename T>
+constexpr bool kIsFloat = std::is_same_v<T, float>;
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return from_bf16(v); }
+template <typename T>
+inline T from_float(float v) {
+  if constexpr (kIsFloat<T>) return v;
+  else return to_bf16(v);
 }
+template <typename T>
+inline float rounded(float v) { return to_float(from_float<T>(v)); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return load_bf16(p); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) { store_bf16(p, v); }
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (kIsFloat<T>) return v;
+  else return round_bf16(v);
+}
+
+// ---------------------------------------------------------------------------------------------- dense GEMV
+
+// Where a GEMV leaves its result y [M, N]: stored, or (accumulate) added to the values already there,
+// after rounding as a separate linear layer followed by a residual add would.
+template <typename T>
+inline void put(T* y, float v, const T* bias, int64_t n, bool accumulate) {
+  if (bias) v += to_float(bias[n]);
+  *y = accumulate ? from_float<T>(to_float(*y) + rounded<T>(v)) : from_float<T>(v);
+}
+
+// One cache line of a dense dot product into acc: 32 bf16 products (vdpbf16ps) or 16 float32 ones.
+inline __m512 mac_line(__m512 acc, const uint16_t* x, const uint16_t* w) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_loadu_si512(w));
+}
+inline __m512 mac_line(__m512 acc, const float* x, const float* w) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
+}
+template <typename T>
+constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
 
 // y[n] = x . w[n, :] (+ bias[n]) for one input row and weight rows [n0, n1): each weight row is read
 // front to back, so the thread's reads are a single stream; two accumulators hide the dot-product
 // latency. `ahead` walks the stream kPrefetchRowBytes ahead.
-void gemv_one_row(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, const uint16_t* bias,
-                  uint16_t* y, bool accumulate, NearAhead& ahead) {
+template <typename T>
+void gemv_one_row(const T* x, const T* w, int64_t K, int64_t n0, int64_t n1, const T* bias, T* y, bool accumulate,
+                  NearAhead& ahead) {
+  constexpr int64_t E = kLine<T>;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wr = w + n * K;
+    const T* wr = w + n * K;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
+    for (; k + 2 * E <= K; k += 2 * E) {
       ahead.line();
       ahead.line();
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(wr + k));
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32), (__m512bh)_mm512_loadu_si512(wr + k + 32));
+      a0 = mac_line(a0, x + k, wr + k);
+      a1 = mac_line(a1, x + k + E, wr + k + E);
     }
-    for (; k < K; k += 32) {
+    for (; k < K; k += E) {
       ahead.line();
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(wr + k));
+      a0 = mac_line(a0, x + k, wr + k);
     }
     put(y + n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), bias, n, accumulate);
   }
@@ -160,35 +234,31 @@ void gemv_one_row(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, i
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for MB input rows against R weight rows at a time, for
 // weight rows [n0, n1); `far` and `near` walk the stream kPrefetchL2Bytes and kPrefetchL1Bytes ahead.
-template <int MB, int R>
-void gemv_block(const uint16_t* x, int64_t rows, const uint16_t* w, int64_t K, int64_t n0, int64_t n1,
-                const uint16_t* bias, uint16_t* y, int64_t N, bool accumulate, FarAhead& far, NearAhead& near) {
+template <int MB, int R, typename T>
+void gemv_block(const T* x, int64_t rows, const T* w, int64_t K, int64_t n0, int64_t n1, const T* bias, T* y,
+                int64_t N, bool accumulate, FarAhead& far, NearAhead& near) {
+  constexpr int64_t E = kLine<T>;
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     __m512 acc[MB][R];
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t* wr = w + n * K;
-    for (int64_t k = 0; k < K; k += 32) {
+    const T* wr = w + n * K;
+    for (int64_t k = 0; k < K; k += E) {
       for (int r = 0; r < R; ++r) far.line(), near.line();
-      __m512bh b[R];
-      for (int r = 0; r < R; ++r) b[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
       for (int m = 0; m < MB; ++m) {
         if (m >= rows) break;
-        const __m512bh a = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], a, b[r]);
+        for (int r = 0; r < R; ++r) acc[m][r] = mac_line(acc[m][r], x + m * K + k, wr + r * K + k);
       }
     }
     for (int m = 0; m < rows; ++m)
       for (int r = 0; r < R; ++r) put(y + m * N + n + r, _mm512_reduce_add_ps(acc[m][r]), bias, n + r, accumulate);
   }
   for (; n < n1; ++n) {  // a last partial group of weight rows
-    for (int64_t k = 0; k < K; k += 32) far.line(), near.line();
+    for (int64_t k = 0; k < K; k += E) far.line(), near.line();
     for (int m = 0; m < rows; ++m) {
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + m * K + k),
-                               (__m512bh)_mm512_loadu_si512(w + n * K + k));
+      for (int64_t k = 0; k < K; k += E) acc = mac_line(acc, x + m * K + k, w + n * K + k);
       put(y + m * N + n, _mm512_reduce_add_ps(acc), bias, n, accumulate);
     }
   }
@@ -196,10 +266,11 @@ void gemv_block(const uint16_t* x, int64_t rows, const uint16_t* w, int64_t K, i
 
 constexpr int64_t kMaxGemvRows = 8;  // more rows re-read the weights: torch's GEMM is better there
 
-// Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxGemvRows, K a multiple of 32,
-// with the thread's weight stream walked by `far` and `near` (only `near` for one row).
-void gemv_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
-               const uint16_t* bias, uint16_t* y, bool accumulate, FarAhead& far, NearAhead& near) {
+// Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxGemvRows, K a multiple of a
+// cache line's elements, with the thread's weight stream walked by `far` and `near` (only `near` for one row).
+template <typename T>
+void gemv_rows(const T* x, int64_t M, const T* w, int64_t K, int64_t N, int64_t n0, int64_t n1, const T* bias, T* y,
+               bool accumulate, FarAhead& far, NearAhead& near) {
   if (M == 1) {
     gemv_one_row(x, w, K, n0, n1, bias, y, accumulate, near);
   } else if (M == 2) {
@@ -213,8 +284,8 @@ void gemv_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64
 
 // The same over all of W, threads taking contiguous ranges of weight rows (multiples of 8 rows, so
 // groups never straddle), each its own stream.
-void gemv(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
-          uint16_t* y) {
+template <typename T>
+void gemv(const T* x, int64_t M, const T* w, int64_t K, int64_t N, const T* bias, T* y) {
   at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
     const Segment seg{reinterpret_cast<const char*>(w + n0 * K), reinterpret_cast<const char*>(w + n1 * K)};
@@ -238,7 +309,6 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
 
 // ------------------------------------------------------------------------------------ paged attention
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
 // exp(x) in float32: 2^(x log2 e) split into 2^n (scalef) and 2^f, f in [0, 1), by its Taylor series
@@ -535,44 +605,48 @@ void decode_attention(const T* q, const T* kc, const T* vc, const int64_t* bt, c
 
 // ------------------------------------------------------------------------------- element-wise pieces
 
-// y = w * bf16(x / rms(x)) over rows of length n (a multiple of 16), as the eager model computes it:
-// the normalisation in float32, rounded to bf16, then scaled by the bf16 weight and rounded again.
-void rms_norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n, float eps) {
+// y = w * round(x / rms(x)) over rows of length n (a multiple of 16), as the eager model computes it:
+// the normalisation in float32, rounded to the activation type, then scaled by the weight and rounded again.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = x + r * n;
+    const T* xr = x + r * n;
     __m512 ss = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-      const __m512 v = load_bf16(xr + i);
+      const __m512 v = load16(xr + i);
       ss = _mm512_fmadd_ps(v, v, ss);
     }
     const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
     for (int64_t i = 0; i < n; i += 16)
-      store_bf16(y + r * n + i, _mm512_mul_ps(load_bf16(w + i), round_bf16(_mm512_mul_ps(load_bf16(xr + i), inv))));
+      store16(y + r * n + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(xr + i), inv))));
   }
 }
 
-// x[i] = bf16(x[i] + d[i]): the residual stream (n a multiple of 16).
-void add_into(uint16_t* x, const uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) store_bf16(x + i, _mm512_add_ps(load_bf16(x + i), load_bf16(d + i)));
+// x[i] = round(x[i] + d[i]): the residual stream (n a multiple of 16).
+template <typename T>
+void add_into(T* x, const T* d, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) store16(x + i, _mm512_add_ps(load16(x + i), load16(d + i)));
 }
 
-// out = bf16(bf16(silu(gate)) * up) over n values, n a multiple of 16.
-void silu_mul(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
+// out = round(round(silu(gate)) * up) over n values, n a multiple of 16.
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 g = load_bf16(gate + i), u = load_bf16(up + i);
+    const __m512 g = load16(gate + i), u = load16(up + i);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    store_bf16(out + i, _mm512_mul_ps(round_bf16(silu), u));
+    store16(out + i, _mm512_mul_ps(round16<T>(silu), u));
   }
 }
 
 // Non-interleaved rotary embedding of one head in place; cos and sin hold D values (both halves).
-void rotate(uint16_t* v, const uint16_t* cos, const uint16_t* sin, int64_t D) {
+template <typename T>
+void rotate(T* v, const T* cos, const T* sin, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const float a = from_bf16(v[i]), b = from_bf16(v[i + half]);
-    v[i] = to_bf16(a * from_bf16(cos[i]) - b * from_bf16(sin[i]));
-    v[i + half] = to_bf16(b * from_bf16(cos[i + half]) + a * from_bf16(sin[i + half]));
+    const float a = to_float(v[i]), b = to_float(v[i + half]);
+    v[i] = from_float<T>(a * to_float(cos[i]) - b * to_float(sin[i]));
+    v[i + half] = from_float<T>(b * to_float(cos[i + half]) + a * to_float(sin[i + half]));
   }
 }
 
@@ -690,16 +764,204 @@ inline std::pair<int64_t, int64_t> share(int64_t N, int w, int n) {
   return {cut(w), cut(w + 1)};
 }
 
-// ---------------------------------------------------------------------------------- fused decoder
+// ---------------------------------------------------------------------------------- weight matrices
 
 c10::optional<torch::Tensor> opt(const c10::optional<torch::Tensor>& t) {
   if (t && t->defined()) return t->contiguous();
   return c10::nullopt;
 }
 
-// One decoder layer's weights (bf16, contiguous), its slice of the KV cache and its attention window.
+// GGML type ids of the dense formats; every other id a matrix part may have is a block format (quant.h).
+constexpr int64_t kDenseF32 = 0, kDenseBF16 = 30;
+
+// A matrix [N, K] as the decoder reads it: row ranges (parts) one after another, each dense in the
+// activation type or in a GGUF block format (merged projections whose parts a file stores in different
+// formats, as Q4_K_M files do). The tensors are the model's own, not copies.
+struct MatrixPart {
+  int64_t type, r0, r1, row_bytes;  // rows [r0, r1) of the matrix
+  const char* data;
+  bool dense() const { return type == kDenseF32 || type == kDenseBF16; }
+};
+struct Matrix {
+  std::vector<MatrixPart> parts;
+  std::vector<torch::Tensor> tensors;
+  int64_t N = 0, K = 0;
+  bool quantized = false;  // some part is in a block format: its input is quantized first
+};
+using PartList = std::vector<std::pair<torch::Tensor, int64_t>>;  // (tensor, GGML type) per row range
+
+template <typename T>
+Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
+  TORCH_CHECK(!list.empty(), name, ": no parts");
+  Matrix m;
+  m.K = K;
+  for (const auto& [t, type] : list) {
+    MatrixPart p{type, m.N, m.N, 0, nullptr};
+    TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(), name, ": parts must be contiguous 2-D CPU tensors");
+    if (type == kDenseF32 || type == kDenseBF16) {
+      const auto want = kIsFloat<T> ? torch::kFloat : torch::kBFloat16;
+      TORCH_CHECK(type == (kIsFloat<T> ? kDenseF32 : kDenseBF16) && t.scalar_type() == want && t.size(1) == K, name,
+                  ": a dense part must be [rows, ", K, "] in the decoder's dtype");
+      p.row_bytes = K * (int64_t)sizeof(T);
+    } else {
+      tmq::Format f;
+      TORCH_CHECK(tmq::format_of((int)type, f), name, ": quantized type ", type, " has no kernel");
+      TORCH_CHECK(K % f.block == 0 && t.scalar_type() == torch::kUInt8 && t.size(1) == K / f.block * f.bytes, name,
+                  ": a type ", type, " part must be uint8 [rows, ", K / f.block * f.bytes, "]");
+      p.row_bytes = t.size(1);
+      m.quantized = true;
+    }
+    p.r1 = m.N += t.size(0);
+    p.data = reinterpret_cast<const char*>(t.data_ptr());
+    m.parts.push_back(p);
+    m.tensors.push_back(t);
+  }
+  return m;
+}
+
+// Activation rows quantized to int8 in blocks of 32 (tmq::QRow), the input of the block formats' kernels.
+struct QInput {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, f;
+  std::vector<tmq::QRow> rows;
+  template <typename T>
+  void set(const T* x, int64_t M, int64_t K) {
+    const int64_t nb = K / tmq::QK;
+    q.resize(M * K), d.resize(M * nb), s.resize(M * nb), rows.resize(M);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr;
+      if constexpr (kIsFloat<T>) {
+        xr = x + m * K;
+      } else {
+        f.resize(K);
+        for (int64_t k = 0; k < K; ++k) f[k] = from_bf16(x[m * K + k]);
+        xr = f.data();
+      }
+      tmq::quantize_activation_row(xr, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
+      rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+    }
+  }
+};
+
+// The walks ahead of a thread's weight stream: started their distance ahead, those first bytes asked
+// for now. With `wrap`, the walk goes on from the stream's end to its start (the next step of a burst).
+struct Walks {
+  FarAhead far;
+  NearAhead near;
+  Walks(const std::vector<Segment>& stream, int64_t B, bool wrap)
+      : far(stream.data(), stream.size(), wrap), near(stream.data(), stream.size(), wrap) {
+    if (B == 1) {
+      near.advance(kPrefetchRowBytes, true);
+    } else {
+      far.advance(kPrefetchL2Bytes, true);
+      near.advance(kPrefetchL1Bytes, true);
+    }
+  }
+  // The stream moves on by `bytes` (read by M input rows: one row walks `near` only, as the dense GEMV does).
+  void read(int64_t bytes, int64_t M) {
+    if (M > 1) far.bytes(bytes);
+    near.bytes(bytes);
+  }
+};
+
+// Rows [n0, n1) (of the part) of y [M, N] = x W^T (+ bias) for a block-format part: each weight row once,
+// against up to kRowGroup quantized input rows at a time.
+template <typename T>
+void quant_rows(const MatrixPart& p, const QInput& xq, int64_t M, int64_t K, int64_t n0, int64_t n1, const T* bias,
+                T* y, int64_t N, bool accumulate, Walks& walks) {
+  float out[tmq::kRowGroup];
+  for (int64_t n = n0; n < n1; ++n) {
+    walks.read(p.row_bytes, M);
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(p.data) + n * p.row_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += tmq::kRowGroup) {
+      const int g = (int)std::min<int64_t>(tmq::kRowGroup, M - m0);
+      tmq::dot_rows((int)p.type, row, xq.rows.data() + m0, g, K, out);
+      for (int r = 0; r < g; ++r) put(y + (m0 + r) * N + n, out[r], bias, n, accumulate);
+    }
+  }
+}
+
+// Rows [n0, n1) of y [M, N] = x [M, K] W^T (+ bias), M <= kMaxGemvRows, on one thread whose weight stream
+// `walks` follows; xq: x quantized, where W has block-format parts.
+template <typename T>
+void matrix_rows(const Matrix& W, const T* x, const QInput& xq, int64_t M, int64_t n0, int64_t n1, const T* bias,
+                 T* y, bool accumulate, Walks& walks) {
+  for (const MatrixPart& p : W.parts) {
+    const int64_t a = std::max(n0, p.r0), b = std::min(n1, p.r1);
+    if (a >= b) continue;
+    const T* pb = bias ? bias + p.r0 : nullptr;
+    if (p.dense())
+      gemv_rows(x, M, reinterpret_cast<const T*>(p.data), W.K, W.N, a - p.r0, b - p.r0, pb, y + p.r0, accumulate,
+                walks.far, walks.near);
+    else
+      quant_rows(p, xq, M, W.K, a - p.r0, b - p.r0, pb, y + p.r0, W.N, accumulate, walks);
+  }
+}
+
+// The bytes of rows [n0, n1) of W, part by part, in the order matrix_rows reads them.
+void matrix_segments(const Matrix& W, int64_t n0, int64_t n1, std::vector<Segment>& out) {
+  for (const MatrixPart& p : W.parts) {
+    const int64_t a = std::max(n0, p.r0), b = std::min(n1, p.r1);
+    if (a < b) out.push_back({p.data + (a - p.r0) * p.row_bytes, p.data + (b - p.r0) * p.row_bytes});
+  }
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) for any M, over all threads: dense parts through torch's GEMM, block
+// formats through their kernels (tiles of weight rows, each pass over a row taking kRowGroup input rows).
+template <typename T>
+torch::Tensor matrix_product(const Matrix& W, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
+  if (W.parts.size() == 1 && W.parts[0].dense()) return at::linear(x, W.tensors[0], bias);
+  const int64_t M = x.size(0), K = W.K;
+  auto y = torch::empty({M, W.N}, x.options());
+  QInput xq;
+  if (W.quantized) xq.set(reinterpret_cast<const T*>(x.data_ptr()), M, K);
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  for (size_t i = 0; i < W.parts.size(); ++i) {
+    const MatrixPart& p = W.parts[i];
+    if (p.dense()) {
+      y.narrow(1, p.r0, p.r1 - p.r0).copy_(at::linear(x, W.tensors[i]));
+      continue;
+    }
+    at::parallel_for(p.r0, p.r1, 8, [&](int64_t n0, int64_t n1) {
+      float out[tmq::kRowGroup];
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(p.data) + (n - p.r0) * p.row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += tmq::kRowGroup) {
+          const int g = (int)std::min<int64_t>(tmq::kRowGroup, M - m0);
+          tmq::dot_rows((int)p.type, row, xq.rows.data() + m0, g, K, out);
+          for (int r = 0; r < g; ++r) yp[(m0 + r) * W.N + n] = from_float<T>(out[r]);
+        }
+      }
+    });
+  }
+  if (bias) y.add_(*bias);
+  return y;
+}
+
+// Row `id` of W (the embedding) into y [K] in the activation type.
+template <typename T>
+void matrix_row(const Matrix& W, int64_t id, T* y) {
+  for (const MatrixPart& p : W.parts) {
+    if (id < p.r0 || id >= p.r1) continue;
+    const char* row = p.data + (id - p.r0) * p.row_bytes;
+    if (p.dense()) {
+      std::memcpy(y, row, W.K * sizeof(T));
+    } else {
+      std::vector<float> f(W.K);
+      tmq::dequantize_row((int)p.type, reinterpret_cast<const uint8_t*>(row), f.data(), W.K);
+      for (int64_t k = 0; k < W.K; ++k) y[k] = from_float<T>(f[k]);
+    }
+    return;
+  }
+}
+
+// ---------------------------------------------------------------------------------- fused decoder
+
+// One decoder layer's weights, its slice of the KV cache and its attention window.
+template <typename T>
 struct LayerWeights {
-  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache;
+  torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  Matrix qkv, o, gate_up, down;
   c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
   int64_t window;  // the last `window` tokens; 0: all of them
 };
@@ -723,39 +985,65 @@ void check_block_tables(const int64_t* bt, const int64_t* lens, int64_t B, int64
   }
 }
 
+inline int64_t* longs(const torch::Tensor& t) { return t.data_ptr<int64_t>(); }
+inline float* floats(const torch::Tensor& t) { return t.data_ptr<float>(); }
+
+// The decoder for activations of type T: float (float32 models) or uint16_t (bf16 models' bits).
+template <typename T>
 class FusedDecoder {
+  using Attn = std::conditional_t<kIsFloat<T>, float, bf16>;  // the attention kernels' name for T
+  static const Attn* attn_ptr(const T* p) { return reinterpret_cast<const Attn*>(p); }
+  static Attn* attn_ptr(T* p) { return reinterpret_cast<Attn*>(p); }
+  static const T* data(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+  static T* data_mut(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+  static const T* data(const c10::optional<torch::Tensor>& t) { return t ? data(*t) : nullptr; }
+
  public:
-  // embed [vocab, hidden] bf16: the token embedding; cos, sin [positions, head_dim] float32: the rotary
-  // tables (rounded to bf16 as the eager model rounds them).
+  static constexpr auto kDtype = kIsFloat<T> ? torch::kFloat : torch::kBFloat16;
+
+  // embed, head: the token embedding [vocab, hidden] and the output layer [vocab', hidden] (the same
+  // parts where they are tied), as matrix parts; cos, sin [positions, head_dim] float32: the rotary
+  // tables (rounded to T as the eager model rounds them).
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scale, int64_t block_size, torch::Tensor final_norm, torch::Tensor embed,
-               torch::Tensor cos, torch::Tensor sin)
+               double scale, int64_t block_size, torch::Tensor final_norm, const PartList& embed,
+               const PartList& head, torch::Tensor cos, torch::Tensor sin)
       : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps),
         scale_((float)scale), bs_(block_size), final_norm_(final_norm.contiguous()),
-        embed_(embed.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()) {
+        cos_(cos.contiguous()), sin_(sin.contiguous()) {
     TORCH_CHECK(D_ % 16 == 0 && D_ <= 128, "head_dim must be a multiple of 16, at most 128");
     TORCH_CHECK(H_ % KVH_ == 0, "heads must be a multiple of KV heads");
     TORCH_CHECK(bs_ >= 1, "block_size must be at least 1");
-    TORCH_CHECK(embed_.scalar_type() == torch::kBFloat16 && embed_.dim() == 2, "embed: bf16 [vocab, hidden]");
+    TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.scalar_type() == kDtype, "final_norm: [hidden] in the decoder's dtype");
+    hidden_ = final_norm_.size(0);
+    embed_ = make_matrix<T>(embed, hidden_, "embed");
+    head_ = make_matrix<T>(head, hidden_, "head");
+    TORCH_CHECK(head_.N <= embed_.N, "the output layer has more rows than the embedding");
     TORCH_CHECK(cos_.scalar_type() == torch::kFloat && cos_.sizes() == sin_.sizes() && cos_.size(1) == D_,
                 "cos, sin: float32 [positions, head_dim]");
   }
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, torch::Tensor o,
-                 c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, torch::Tensor gate_up,
-                 c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
+  void add_layer(torch::Tensor input_norm, const PartList& qkv, c10::optional<torch::Tensor> qkv_bias,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, const PartList& o,
+                 c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, const PartList& gate_up,
+                 c10::optional<torch::Tensor> gate_up_bias, const PartList& down,
                  c10::optional<torch::Tensor> down_bias, torch::Tensor k_cache, torch::Tensor v_cache,
                  int64_t window) {
-    for (const auto* t : {&input_norm, &qkv, &o, &post_norm, &gate_up, &down, &k_cache, &v_cache})
-      TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous(), "bf16 contiguous tensors expected");
-    TORCH_CHECK(qkv.size(0) == (H_ + 2 * KVH_) * D_ && k_cache.size(1) == KVH_ && k_cache.size(2) == D_,
+    const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
+    for (const auto* t : {&input_norm, &post_norm, &k_cache, &v_cache})
+      TORCH_CHECK(t->scalar_type() == kDtype && t->is_contiguous(), "norms and caches: contiguous, in the decoder's dtype");
+    for (const auto* t : {&qkv_bias, &o_bias, &gate_up_bias, &down_bias, &q_norm, &k_norm})
+      TORCH_CHECK(!*t || !(*t)->defined() || (*t)->scalar_type() == kDtype, "biases and norms: the decoder's dtype");
+    LayerWeights<T> L{input_norm, post_norm, k_cache, v_cache, make_matrix<T>(qkv, hidden_, "qkv"),
+                      make_matrix<T>(o, QS, "o"), make_matrix<T>(gate_up, hidden_, "gate_up"),
+                      make_matrix<T>(down, I_, "down"), opt(qkv_bias), opt(o_bias), opt(gate_up_bias),
+                      opt(down_bias), opt(q_norm), opt(k_norm), window};
+    TORCH_CHECK(L.qkv.N == QKV && k_cache.size(1) == KVH_ && k_cache.size(2) == D_,
                 "layer shapes do not match the decoder's heads");
+    TORCH_CHECK(L.o.N == hidden_ && L.gate_up.N == 2 * I_ && L.down.N == hidden_, "layer shapes do not match the decoder's sizes");
     TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "k_cache, v_cache: [slots, KV heads, head_dim]");
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
     cache_slots_ = layers_.empty() ? k_cache.size(0) : std::min(cache_slots_, k_cache.size(0));
-    layers_.push_back({input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache, opt(qkv_bias),
-                       opt(o_bias), opt(gate_up_bias), opt(down_bias), opt(q_norm), opt(k_norm), window});
+    layers_.push_back(std::move(L));
     streams_.clear();
   }
 
@@ -774,9 +1062,9 @@ class FusedDecoder {
       run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
         Walks walks(streams_[n][w], s.B, false);
         ThreadState ts(D_);
-        team_layers(s, plan, buf, bits_mut(in.x), w, n, barrier, walks, ts);
+        team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
         for (int64_t b = w; b < s.B; b += n)
-          rms_norm_rows(bits(in.x) + b * s.hidden, bits(final_norm_), bits_mut(out) + b * s.hidden, 1, s.hidden, eps_);
+          rms_norm_rows(data(in.x) + b * hidden_, data(final_norm_), data_mut(out) + b * hidden_, 1, hidden_, eps_);
       });
     } else {
       forward_batched(s, in.x, out);
@@ -785,20 +1073,17 @@ class FusedDecoder {
   }
 
   // Greedy decoding, up to `steps` steps in one call (slots [steps, B]: the cache slot of each step's new
-  // token). Each step runs forward and takes, for every request, the largest of its logits (hidden x
-  // lm_head^T [vocab, hidden] in bf16, as linear_bf16 and argmax_rows compute them for the sampler) as
-  // its next input. The call ends early after a step in which every request has produced one of its
-  // stop_ids, or once interrupt() has been called (from any thread; the step running completes).
-  // Returns the tokens [steps done, B].
+  // token). Each step runs forward and takes, for every request, the largest of its logits (as logits()
+  // computes them for the sampler) as its next input. The call ends early after a step in which every
+  // request has produced one of its stop_ids, or once interrupt() has been called (from any thread; the
+  // step running completes). Returns the tokens [steps done, B].
   torch::Tensor decode_greedy(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
-                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor lm_head,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
                               std::vector<std::vector<int64_t>> stop_ids) {
     const int64_t B = input_ids.size(0), steps = slots.size(0);
     TORCH_CHECK(slots.dim() == 2 && slots.size(1) == B && (int64_t)stop_ids.size() == B, "slots: [steps, batch]");
-    TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
-                "lm_head: bf16 [vocab, hidden]");
     Burst burst{input_ids.to(torch::kLong).clone(), positions.to(torch::kLong).clone(),
-                seq_lens.to(torch::kLong).clone(), slots.to(torch::kLong).contiguous(), lm_head.contiguous(),
+                seq_lens.to(torch::kLong).clone(), slots.to(torch::kLong).contiguous(),
                 torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false)};
     TORCH_CHECK(burst.ids.size(0) == B && burst.pos.size(0) == B && burst.lens.size(0) == B &&
                 block_tables.size(0) == B, "batch mismatch");
@@ -808,9 +1093,9 @@ class FusedDecoder {
       done = greedy_team(burst, block_tables, steps);
     } else {
       while (done < steps) {
-        const auto logits = linear_bf16(forward(burst.ids, burst.pos, burst.slots[done], block_tables, burst.lens),
-                                        burst.lm_head, c10::nullopt);
-        const bf16* rows = logits.data_ptr<bf16>();
+        const auto logits = matrix_product<T>(head_, forward(burst.ids, burst.pos, burst.slots[done], block_tables,
+                                                             burst.lens), c10::nullopt);
+        const T* rows = data(logits);
         const int64_t V = logits.size(1);
         for (int64_t b = 0; b < B; ++b) burst.take(done, b, argmax_row(rows + b * V, V));
         if (!burst.go_on(++done, steps, interrupted_.load())) break;
@@ -819,28 +1104,25 @@ class FusedDecoder {
     return burst.tokens.slice(0, 0, done);
   }
 
-  // forward, then the output layer: logits [B, vocab] = hidden x lm_head^T in bf16 (as linear_bf16
+  // forward, then the output layer: logits [B, vocab] = hidden x head^T (as a separate linear layer
   // computes them), for a few requests in one parallel region, each thread's weight stream running on
-  // from its rows of the layers into its share of lm_head's rows.
+  // from its rows of the layers into its share of the head's rows.
   torch::Tensor logits(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
-                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor lm_head) {
-    TORCH_CHECK(lm_head.scalar_type() == torch::kBFloat16 && lm_head.dim() == 2 && lm_head.size(1) == embed_.size(1),
-                "lm_head: bf16 [vocab, hidden]");
+                       torch::Tensor block_tables, torch::Tensor seq_lens) {
     if (!runs_in_team(input_ids.size(0)))
-      return linear_bf16(forward(input_ids, positions, slots, block_tables, seq_lens), lm_head, c10::nullopt);
+      return matrix_product<T>(head_, forward(input_ids, positions, slots, block_tables, seq_lens), c10::nullopt);
     StepInputs in = prepare(input_ids, positions, slots, block_tables, seq_lens);
     const Step& s = in.step;
-    auto head = lm_head.contiguous();
-    auto out = torch::empty({s.B, head.size(0)}, in.x.options());
+    auto out = torch::empty({s.B, head_.N}, in.x.options());
     const int threads = team_threads();
     TeamBuffers buf(*this, s.B, threads);
     StepPlans plan = attention_plan(s, threads);
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
-      const auto stream = stream_with_head(w, n, head);
+      const auto stream = stream_with_head(w, n);
       Walks walks(stream, s.B, false);
       ThreadState ts(D_);
-      team_layers(s, plan, buf, bits_mut(in.x), w, n, barrier, walks, ts);
-      team_logits(bits(in.x), s.B, head, w, n, buf, bits_mut(out), walks);
+      team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
+      team_logits(data(in.x), s.B, w, n, buf, data_mut(out), walks, ts);
     });
     return out;
   }
@@ -854,13 +1136,13 @@ class FusedDecoder {
 
   // The inputs of one decode step, as raw views of tensors the caller keeps.
   struct Step {
-    int64_t B, hidden;
+    int64_t B;
     const int64_t* slot;  // [B]
     const int64_t* bt;    // [B, nb]
     int64_t nb;
     const int64_t* lens;  // [B]
-    uint16_t* cos;        // [B, head_dim], filled by begin_step
-    uint16_t* sin;
+    T* cos;               // [B, head_dim], filled by begin_step
+    T* sin;
   };
 
   // A step's inputs: the caller's tensors as contiguous int64, the residual stream x [B, hidden] started
@@ -877,48 +1159,48 @@ class FusedDecoder {
     in.slot = slots.to(torch::kLong).contiguous();
     in.bt = block_tables.to(torch::kLong).contiguous();
     in.lens = seq_lens.to(torch::kLong).contiguous();
-    const int64_t B = in.ids.size(0), hidden = embed_.size(1);
+    const int64_t B = in.ids.size(0);
     TORCH_CHECK(in.pos.size(0) == B && in.slot.size(0) == B && in.bt.size(0) == B && in.lens.size(0) == B,
                 "batch mismatch");
     TORCH_CHECK(in.bt.dim() == 2, "block_tables: [batch, blocks]");
     check_bounds(in.slot, in.bt, in.lens, 0);
-    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
-    in.x = torch::empty({B, hidden}, opts);
+    const auto opts = torch::TensorOptions().dtype(kDtype);
+    in.x = torch::empty({B, hidden_}, opts);
     in.cos = torch::empty({B, D_}, opts);
     in.sin = torch::empty({B, D_}, opts);
-    in.step = {B, hidden, in.slot.data_ptr<int64_t>(), in.bt.data_ptr<int64_t>(), in.bt.size(1),
-               in.lens.data_ptr<int64_t>(), bits_mut(in.cos), bits_mut(in.sin)};
-    begin_step(in.step, in.ids.data_ptr<int64_t>(), in.pos.data_ptr<int64_t>(), bits_mut(in.x));
+    in.step = {B, longs(in.slot), longs(in.bt), in.bt.size(1),
+               longs(in.lens), data_mut(in.cos), data_mut(in.sin)};
+    begin_step(in.step, longs(in.ids), longs(in.pos), data_mut(in.x));
     return in;
   }
 
   // x = the embeddings of the step's tokens; the step's rotary rows for their positions.
-  void begin_step(const Step& s, const int64_t* ids, const int64_t* pos, uint16_t* x) const {
-    const float* cos_table = cos_.data_ptr<float>();
-    const float* sin_table = sin_.data_ptr<float>();
+  void begin_step(const Step& s, const int64_t* ids, const int64_t* pos, T* x) const {
+    const float* cos_table = floats(cos_);
+    const float* sin_table = floats(sin_);
     for (int64_t b = 0; b < s.B; ++b) {
       const int64_t id = ids[b], p = pos[b];
-      TORCH_CHECK(id >= 0 && id < embed_.size(0), "token id out of range");
+      TORCH_CHECK(id >= 0 && id < embed_.N, "token id ", id, " is out of range [0, ", embed_.N, ")");
       TORCH_CHECK(p >= 0 && p < cos_.size(0), "position beyond the rotary table");
-      std::memcpy(x + b * s.hidden, bits(embed_) + id * s.hidden, s.hidden * 2);
+      matrix_row(embed_, id, x + b * hidden_);
       for (int64_t d = 0; d < D_; ++d) {
-        s.cos[b * D_ + d] = to_bf16(cos_table[p * D_ + d]);
-        s.sin[b * D_ + d] = to_bf16(sin_table[p * D_ + d]);
+        s.cos[b * D_ + d] = from_float<T>(cos_table[p * D_ + d]);
+        s.sin[b * D_ + d] = from_float<T>(sin_table[p * D_ + d]);
       }
     }
   }
 
   // A burst's state: each request's next input, position and context length, advanced step by step.
   struct Burst {
-    torch::Tensor ids, pos, lens, slots, lm_head, tokens;
+    torch::Tensor ids, pos, lens, slots, tokens;
     std::vector<std::vector<int64_t>> stop_ids;
     std::vector<bool> stopped;
     // Request b's token of step `step`: recorded, and its next input.
     void take(int64_t step, int64_t b, int64_t t) {
       const int64_t B = ids.size(0);
-      tokens.data_ptr<int64_t>()[step * B + b] = ids.data_ptr<int64_t>()[b] = t;
-      ++pos.data_ptr<int64_t>()[b];
-      ++lens.data_ptr<int64_t>()[b];
+      longs(tokens)[step * B + b] = longs(ids)[b] = t;
+      ++longs(pos)[b];
+      ++longs(lens)[b];
       stopped[b] = stopped[b] || std::find(stop_ids[b].begin(), stop_ids[b].end(), t) != stop_ids[b].end();
     }
     // Whether another step follows `done` of `steps`.
@@ -929,13 +1211,13 @@ class FusedDecoder {
 
   // Whether a batch of B requests runs in one parallel region (the GEMV kernel's shapes).
   bool runs_in_team(int64_t B) const {
-    return B <= kMaxGemvRows && embed_.size(1) % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
+    return B <= kMaxGemvRows && hidden_ % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
   }
 
   // The threads a parallel region asks for, with their weight streams planned.
   int team_threads() {
     const int threads = (int)team_size();
-    plan_streams(threads, embed_.size(1));
+    plan_streams(threads);
     return threads;
   }
 
@@ -973,184 +1255,173 @@ class FusedDecoder {
     const auto slot = slots.to(torch::kLong).contiguous();
     const auto bt = block_tables.to(torch::kLong).contiguous();
     const auto lens = seq_lens.to(torch::kLong).contiguous();
-    const int64_t* sp = slot.data_ptr<int64_t>();
+    const int64_t* sp = longs(slot);
     for (int64_t i = 0; i < slot.numel(); ++i)
       TORCH_CHECK(sp[i] >= 0 && sp[i] < cache_slots_, "cache slot ", sp[i], " is outside the KV cache (",
                   cache_slots_, " slots)");
-    check_block_tables(bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), lens.size(0), bt.size(1), bs_,
+    check_block_tables(longs(bt), longs(lens), lens.size(0), bt.size(1), bs_,
                        cache_slots_ / bs_, grow);
   }
 
   // Request b's new q, k, v (one row of the qkv projection): q/k norms where the model has them, rotary
   // on q and k, q copied out for attention, k and v written to the cache slot of the new token.
-  void place_token(const LayerWeights& L, const Step& s, int64_t b, uint16_t* row, uint16_t* q) {
+  void place_token(const LayerWeights<T>& L, const Step& s, int64_t b, T* row, T* q) {
     const int64_t QS = H_ * D_, KVS = KVH_ * D_;
-    uint16_t* qb = row;
-    uint16_t* kb = row + QS;
-    const uint16_t* vb = row + QS + KVS;
+    T* qb = row;
+    T* kb = row + QS;
+    const T* vb = row + QS + KVS;
     if (L.q_norm) {
-      rms_norm_rows(qb, bits(*L.q_norm), qb, H_, D_, eps_);
-      rms_norm_rows(kb, bits(*L.k_norm), kb, KVH_, D_, eps_);
+      rms_norm_rows(qb, data(*L.q_norm), qb, H_, D_, eps_);
+      rms_norm_rows(kb, data(*L.k_norm), kb, KVH_, D_, eps_);
     }
-    const uint16_t* cb = s.cos + b * D_;
-    const uint16_t* sb = s.sin + b * D_;
+    const T* cb = s.cos + b * D_;
+    const T* sb = s.sin + b * D_;
     for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, D_);
     for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
-    std::memcpy(q + b * QS, qb, QS * 2);
+    std::memcpy(q + b * QS, qb, QS * sizeof(T));
     const int64_t slot = s.slot[b];
-    std::memcpy(reinterpret_cast<uint16_t*>(L.k_cache.data_ptr()) + slot * KVS, kb, KVS * 2);
-    std::memcpy(reinterpret_cast<uint16_t*>(L.v_cache.data_ptr()) + slot * KVS, vb, KVS * 2);
+    std::memcpy(reinterpret_cast<T*>(L.k_cache.data_ptr()) + slot * KVS, kb, KVS * sizeof(T));
+    std::memcpy(reinterpret_cast<T*>(L.v_cache.data_ptr()) + slot * KVS, vb, KVS * sizeof(T));
   }
 
   // The step's intermediate results, shared by the threads of a team.
   struct TeamBuffers {
-    std::vector<uint16_t> qkv, q, attn, gu, act;
-    std::vector<uint16_t> normed;  // each thread's own copy of the normed input
+    std::vector<T> qkv, q, attn, gu, act;
+    std::vector<T> normed;  // each thread's own copy of the normed input
     TeamBuffers(const FusedDecoder& d, int64_t B, int threads)
         : qkv(B * (d.H_ + 2 * d.KVH_) * d.D_), q(B * d.H_ * d.D_), attn(B * d.H_ * d.D_), gu(B * 2 * d.I_),
-          act(B * d.I_), normed(threads * B * d.embed_.size(1)) {}
+          act(B * d.I_), normed(threads * B * d.hidden_) {}
   };
 
   // What a thread of a team keeps for itself.
   struct ThreadState {
     AttentionPlan::Scratch scratch;
     std::vector<float> merged;
+    QInput xq;  // the input of the projection running, quantized, where its matrix has block-format parts
     explicit ThreadState(int64_t D) : merged(D) {}
-  };
-
-  // The walks ahead of a thread's weight stream: started their distance ahead, those first bytes asked
-  // for now. With `wrap`, the walk goes on from the stream's end to its start (the next step of a burst).
-  struct Walks {
-    FarAhead far;
-    NearAhead near;
-    Walks(const std::vector<Segment>& stream, int64_t B, bool wrap)
-        : far(stream.data(), stream.size(), wrap), near(stream.data(), stream.size(), wrap) {
-      if (B == 1) {
-        near.advance(kPrefetchRowBytes, true);
-      } else {
-        far.advance(kPrefetchL2Bytes, true);
-        near.advance(kPrefetchL1Bytes, true);
-      }
-    }
   };
 
   // A step of a few requests runs in one parallel region. Each thread computes a fixed share of every
   // projection's rows, so its weight reads for the whole step are one stream (its slices of each matrix
   // in turn) walked ahead of it across matrix boundaries; phases that need other threads' results
   // (the whole qkv row, all heads' attention, the full residual) wait at a barrier. The small
-  // element-wise pieces between projections run on every thread or are split by request.
+  // element-wise pieces between projections run on every thread or are split by request; so does
+  // quantizing a projection's input for block-format weights (each thread its own copy: no barrier).
   // This is thread w of n's part of the decoder layers, on the residual stream xp [B, hidden].
-  void team_layers(const Step& s, StepPlans& plans, TeamBuffers& buf, uint16_t* xp, int w, int n,
-                   SpinBarrier& barrier, Walks& walks, ThreadState& ts) {
-    const int64_t B = s.B, hidden = s.hidden, QS = H_ * D_, KVS = KVH_ * D_, QKV = QS + 2 * KVS;
-    auto bias = [](const c10::optional<torch::Tensor>& t) { return t ? bits(*t) : nullptr; };
-    const bf16* qh = reinterpret_cast<const bf16*>(buf.q.data());
-    bf16* attn_h = reinterpret_cast<bf16*>(buf.attn.data());
-    auto& [far, near] = walks;
-    uint16_t* h = buf.normed.data() + w * B * hidden;
+  void team_layers(const Step& s, StepPlans& plans, TeamBuffers& buf, T* xp, int w, int n, SpinBarrier& barrier,
+                   Walks& walks, ThreadState& ts) {
+    const int64_t B = s.B, hidden = hidden_, QS = H_ * D_, KVS = KVH_ * D_, QKV = QS + 2 * KVS;
+    const Attn* qh = attn_ptr(buf.q.data());
+    Attn* attn_h = attn_ptr(buf.attn.data());
+    T* h = buf.normed.data() + w * B * hidden;
     const auto [r0, r1] = share(QKV, w, n);
     const auto [o0, o1] = share(hidden, w, n);
     const auto [i0, i1] = share(I_, w, n);
     const int64_t j0 = B * H_ * w / n, j1 = B * H_ * (w + 1) / n;
-    uint16_t *qkv = buf.qkv.data(), *gu = buf.gu.data(), *act = buf.act.data();
+    T *qkv = buf.qkv.data(), *gu = buf.gu.data(), *act = buf.act.data();
+    auto input = [&](const Matrix& W, const T* x) {
+      if (W.quantized) ts.xq.set(x, B, W.K);
+    };
     for (size_t li = 0; li < layers_.size(); ++li) {
-      const LayerWeights& L = layers_[li];
+      const LayerWeights<T>& L = layers_[li];
       AttentionPlan& plan = plans[li];
-      const bf16* kc = L.k_cache.data_ptr<bf16>();
-      const bf16* vc = L.v_cache.data_ptr<bf16>();
-      rms_norm_rows(xp, bits(L.input_norm), h, B, hidden, eps_);
-      gemv_rows(h, B, bits(L.qkv), hidden, QKV, r0, r1, bias(L.qkv_bias), qkv, false, far, near);
-      for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<bf16>(i, kc, vc);
+      const Attn* kc = reinterpret_cast<const Attn*>(L.k_cache.data_ptr());
+      const Attn* vc = reinterpret_cast<const Attn*>(L.v_cache.data_ptr());
+      rms_norm_rows(xp, data(L.input_norm), h, B, hidden, eps_);
+      input(L.qkv, h);
+      matrix_rows(L.qkv, h, ts.xq, B, r0, r1, data(L.qkv_bias), qkv, false, walks);
+      for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<Attn>(i, kc, vc);
       barrier.wait(n);
       for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv + b * QKV, buf.q.data());
       barrier.wait(n);
-      for (int64_t i = w; i < plan.parts; i += n) plan.run_part<bf16>(i, qh, kc, vc, ts.scratch);
+      for (int64_t i = w; i < plan.parts; i += n) plan.run_part<Attn>(i, qh, kc, vc, ts.scratch);
       barrier.wait(n);
-      for (int64_t j = j0; j < j1; ++j) plan.merge<bf16>(j, attn_h, ts.merged.data());
+      for (int64_t j = j0; j < j1; ++j) plan.merge<Attn>(j, attn_h, ts.merged.data());
       barrier.wait(n);
-      gemv_rows(buf.attn.data(), B, bits(L.o), QS, hidden, o0, o1, bias(L.o_bias), xp, true, far, near);
+      input(L.o, buf.attn.data());
+      matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), xp, true, walks);
       barrier.wait(n);
-      rms_norm_rows(xp, bits(L.post_norm), h, B, hidden, eps_);
+      rms_norm_rows(xp, data(L.post_norm), h, B, hidden, eps_);
       // This thread's gate rows and the matching up rows, so it can apply SwiGLU to them at once.
-      const uint16_t* gu_bias = bias(L.gate_up_bias);
-      gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, i0, i1, gu_bias, gu, false, far, near);
-      gemv_rows(h, B, bits(L.gate_up), hidden, 2 * I_, I_ + i0, I_ + i1, gu_bias, gu, false, far, near);
+      const T* gu_bias = data(L.gate_up_bias);
+      input(L.gate_up, h);
+      matrix_rows(L.gate_up, h, ts.xq, B, i0, i1, gu_bias, gu, false, walks);
+      matrix_rows(L.gate_up, h, ts.xq, B, I_ + i0, I_ + i1, gu_bias, gu, false, walks);
       for (int64_t b = 0; b < B; ++b) silu_mul(gu + b * 2 * I_ + i0, gu + b * 2 * I_ + I_ + i0, act + b * I_ + i0, i1 - i0);
       barrier.wait(n);
-      gemv_rows(act, B, bits(L.down), I_, hidden, o0, o1, bias(L.down_bias), xp, true, far, near);
+      input(L.down, act);
+      matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), xp, true, walks);
       barrier.wait(n);
     }
   }
 
   // Thread w of n's weight stream for a step that ends in the output layer: its rows of the decoder
-  // layers (see plan_streams), then its share of head's rows (those team_logits gives it).
-  std::vector<Segment> stream_with_head(int w, int n, const torch::Tensor& head) const {
+  // layers (see plan_streams), then its share of the head's rows (those team_logits gives it).
+  std::vector<Segment> stream_with_head(int w, int n) const {
     std::vector<Segment> stream = streams_[n][w];
-    const auto [v0, v1] = share(head.size(0), w, n);
-    const char* base = reinterpret_cast<const char*>(head.data_ptr());
-    const int64_t row = head.size(1) * 2;
-    stream.push_back({base + v0 * row, base + v1 * row});
+    const auto [v0, v1] = share(head_.N, w, n);
+    matrix_segments(head_, v0, v1, stream);
     return stream;
   }
 
   // Thread w of n's share of the logits [B, vocab] of the residual stream x: the final norm (each
-  // thread its own copy), then its rows of head. Returns those rows [v0, v1).
-  std::pair<int64_t, int64_t> team_logits(const uint16_t* x, int64_t B, const torch::Tensor& head, int w, int n,
-                                          TeamBuffers& buf, uint16_t* logits, Walks& walks) {
-    const int64_t hidden = embed_.size(1), V = head.size(0);
-    uint16_t* h = buf.normed.data() + w * B * hidden;
-    rms_norm_rows(x, bits(final_norm_), h, B, hidden, eps_);
-    const auto [v0, v1] = share(V, w, n);
-    gemv_rows(h, B, bits(head), hidden, V, v0, v1, nullptr, logits, false, walks.far, walks.near);
+  // thread its own copy), then its rows of the head. Returns those rows [v0, v1).
+  std::pair<int64_t, int64_t> team_logits(const T* x, int64_t B, int w, int n, TeamBuffers& buf, T* logits,
+                                          Walks& walks, ThreadState& ts) {
+    T* h = buf.normed.data() + w * B * hidden_;
+    rms_norm_rows(x, data(final_norm_), h, B, hidden_, eps_);
+    if (head_.quantized) ts.xq.set(h, B, hidden_);
+    const auto [v0, v1] = share(head_.N, w, n);
+    matrix_rows(head_, h, ts.xq, B, v0, v1, static_cast<const T*>(nullptr), logits, false, walks);
     return {v0, v1};
   }
 
   // A burst of greedy steps of a few requests in one parallel region: each thread's stream runs on from
   // its share of the decoder layers to its share of the output layer's rows and back to the layers of
   // the next step, so neither the output layer nor a new step starts cold or waits for a new region.
-  // Each thread takes the largest logit of its rows (bf16-rounded, as linear_bf16 leaves them; first
-  // index on ties, the first NaN if any, as argmax_row), and one thread combines them in row order,
-  // which gives the whole row's argmax. Returns the number of steps done.
+  // Each thread takes the largest logit of its rows (rounded as logits() leaves them; first index on
+  // ties, the first NaN if any, as argmax_row), and one thread combines them in row order, which gives
+  // the whole row's argmax. Returns the number of steps done.
   int64_t greedy_team(Burst& burst, const torch::Tensor& block_tables, int64_t steps) {
-    const int64_t B = burst.ids.size(0), V = burst.lm_head.size(0);
+    const int64_t B = burst.ids.size(0), V = head_.N;
     if (steps == 0) return 0;
     StepInputs in = prepare(burst.ids, burst.pos, burst.slots[0], block_tables, burst.lens);  // the first step's
     Step& s = in.step;
-    s.lens = burst.lens.data_ptr<int64_t>();  // the lengths take() advances
-    const int64_t* all_slots = burst.slots.data_ptr<int64_t>();
-    uint16_t* x = bits_mut(in.x);
+    s.lens = longs(burst.lens);  // the lengths take() advances
+    const int64_t* all_slots = longs(burst.slots);
+    T* x = data_mut(in.x);
     const int threads = team_threads();
     TeamBuffers buf(*this, B, threads);
-    std::vector<uint16_t> logits(B * V);
+    std::vector<T> logits(B * V);
     struct Best {
       int64_t index;  // -1: an empty share
       float value;
     };
     std::vector<Best> best(threads * B);
     // Inside the region nothing may throw (the other threads would wait at a barrier for ever): the
-    // positions of every step must lie in the rotary table, and every token chosen in the embedding.
-    TORCH_CHECK(V <= embed_.size(0), "lm_head has more rows than the embedding");
+    // positions of every step must lie in the rotary table (every token chosen is a row of the
+    // embedding: the constructor checked the head has no more rows).
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(burst.pos.data_ptr<int64_t>()[b] + steps <= cos_.size(0), "position beyond the rotary table");
+      TORCH_CHECK(longs(burst.pos)[b] + steps <= cos_.size(0), "position beyond the rotary table");
     StepPlans plan = attention_plan(s, threads);
     int64_t done = 0;
     bool more = true;
     auto next_step = [&] {  // on one thread, while the others wait
       s.slot = all_slots + done * B;
-      begin_step(s, burst.ids.data_ptr<int64_t>(), burst.pos.data_ptr<int64_t>(), x);
+      begin_step(s, longs(burst.ids), longs(burst.pos), x);
       plan = attention_plan(s, threads);
     };
     run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
-      const auto stream = stream_with_head(w, n, burst.lm_head);
+      const auto stream = stream_with_head(w, n);
       Walks walks(stream, B, true);
       ThreadState ts(D_);
       while (more) {
         team_layers(s, plan, buf, x, w, n, barrier, walks, ts);
-        const auto [v0, v1] = team_logits(x, B, burst.lm_head, w, n, buf, logits.data(), walks);
+        const auto [v0, v1] = team_logits(x, B, w, n, buf, logits.data(), walks, ts);
         for (int64_t b = 0; b < B; ++b) {
-          const bf16* row = reinterpret_cast<const bf16*>(logits.data()) + b * V;
+          const T* row = logits.data() + b * V;
           const int64_t i = v1 > v0 ? v0 + argmax_row(row + v0, v1 - v0) : -1;
-          best[w * B + b] = {i, i >= 0 ? static_cast<float>(row[i]) : 0.f};
+          best[w * B + b] = {i, i >= 0 ? to_float(row[i]) : 0.f};
         }
         barrier.wait(n);
         if (w == 0) {
@@ -1179,7 +1450,7 @@ class FusedDecoder {
 
   // The weight bytes thread w of n reads in a step, in order: its rows of qkv, o, gate, up and down of
   // each layer (the shares team_layers gives it). Made once per thread count.
-  void plan_streams(int threads, int64_t hidden) {
+  void plan_streams(int threads) {
     if ((int)streams_.size() > threads) return;
     const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
     streams_.assign(threads + 1, {});
@@ -1187,56 +1458,55 @@ class FusedDecoder {
       streams_[n].resize(n);
       for (int w = 0; w < n; ++w) {
         auto& segs = streams_[n][w];
-        auto rows = [&](const torch::Tensor& t, int64_t K, int64_t a, int64_t b) {
-          const char* base = reinterpret_cast<const char*>(t.data_ptr());
-          segs.push_back({base + a * K * 2, base + b * K * 2});
-        };
         const auto [r0, r1] = share(QKV, w, n);
-        const auto [o0, o1] = share(hidden, w, n);
+        const auto [o0, o1] = share(hidden_, w, n);
         const auto [i0, i1] = share(I_, w, n);
         for (const auto& L : layers_) {
-          rows(L.qkv, hidden, r0, r1);
-          rows(L.o, QS, o0, o1);
-          rows(L.gate_up, hidden, i0, i1);
-          rows(L.gate_up, hidden, I_ + i0, I_ + i1);
-          rows(L.down, I_, o0, o1);
+          matrix_segments(L.qkv, r0, r1, segs);
+          matrix_segments(L.o, o0, o1, segs);
+          matrix_segments(L.gate_up, i0, i1, segs);
+          matrix_segments(L.gate_up, I_ + i0, I_ + i1, segs);
+          matrix_segments(L.down, o0, o1, segs);
         }
       }
     }
   }
 
-  // Larger batches: operation by operation, projections through linear_bf16 (torch's GEMM).
+  // Larger batches: operation by operation, projections through matrix_product (torch's GEMM for dense
+  // weights).
   void forward_batched(const Step& s, torch::Tensor& x, torch::Tensor& out) {
-    const int64_t B = s.B, hidden = s.hidden, QS = H_ * D_, KVS = KVH_ * D_;
+    const int64_t B = s.B, hidden = hidden_, QS = H_ * D_, KVS = KVH_ * D_;
     auto h = torch::empty_like(x);
     auto q = torch::empty({B, H_, D_}, x.options());
     auto attn = torch::empty({B, QS}, x.options());
     auto act = torch::empty({B, I_}, x.options());
-    uint16_t* xp = bits_mut(x);
+    T* xp = data_mut(x);
     for (auto& L : layers_) {
-      rms_norm_rows(xp, bits(L.input_norm), bits_mut(h), B, hidden, eps_);
-      auto qkv = linear_bf16(h, L.qkv, L.qkv_bias);
-      for (int64_t b = 0; b < B; ++b) place_token(L, s, b, bits_mut(qkv) + b * (QS + 2 * KVS), bits_mut(q));
-      decode_attention<bf16>(q.data_ptr<bf16>(), L.k_cache.data_ptr<bf16>(), L.v_cache.data_ptr<bf16>(),
-                             s.bt, s.lens, attn.data_ptr<bf16>(), B, H_, KVH_, D_, s.nb, bs_, scale_, L.window);
-      auto o = linear_bf16(attn, L.o, L.o_bias);
-      add_into(xp, bits(o), B * hidden);
-      rms_norm_rows(xp, bits(L.post_norm), bits_mut(h), B, hidden, eps_);
-      auto gu = linear_bf16(h, L.gate_up, L.gate_up_bias);
+      rms_norm_rows(xp, data(L.input_norm), data_mut(h), B, hidden, eps_);
+      auto qkv = matrix_product<T>(L.qkv, h, L.qkv_bias);
+      for (int64_t b = 0; b < B; ++b) place_token(L, s, b, data_mut(qkv) + b * (QS + 2 * KVS), data_mut(q));
+      decode_attention<Attn>(attn_ptr(data(q)), reinterpret_cast<const Attn*>(L.k_cache.data_ptr()),
+                             reinterpret_cast<const Attn*>(L.v_cache.data_ptr()), s.bt, s.lens, attn_ptr(data_mut(attn)),
+                             B, H_, KVH_, D_, s.nb, bs_, scale_, L.window);
+      auto o = matrix_product<T>(L.o, attn, L.o_bias);
+      add_into(xp, data(o), B * hidden);
+      rms_norm_rows(xp, data(L.post_norm), data_mut(h), B, hidden, eps_);
+      auto gu = matrix_product<T>(L.gate_up, h, L.gate_up_bias);
       for (int64_t b = 0; b < B; ++b)
-        silu_mul(bits(gu) + b * 2 * I_, bits(gu) + b * 2 * I_ + I_, bits_mut(act) + b * I_, I_);
-      auto d = linear_bf16(act, L.down, L.down_bias);
-      add_into(xp, bits(d), B * hidden);
+        silu_mul(data(gu) + b * 2 * I_, data(gu) + b * 2 * I_ + I_, data_mut(act) + b * I_, I_);
+      auto d = matrix_product<T>(L.down, act, L.down_bias);
+      add_into(xp, data(d), B * hidden);
     }
-    rms_norm_rows(xp, bits(final_norm_), bits_mut(out), B, hidden, eps_);
+    rms_norm_rows(xp, data(final_norm_), data_mut(out), B, hidden, eps_);
   }
 
-  int64_t H_, KVH_, D_, I_;
+  int64_t H_, KVH_, D_, I_, hidden_ = 0;
   float eps_, scale_;
   int64_t bs_;
   int64_t cache_slots_ = 0;  // the fewest slots of any layer's cache
-  torch::Tensor final_norm_, embed_, cos_, sin_;
-  std::vector<LayerWeights> layers_;
+  torch::Tensor final_norm_, cos_, sin_;
+  Matrix embed_, head_;
+  std::vector<LayerWeights<T>> layers_;
   std::vector<std::vector<std::vector<Segment>>> streams_;  // [threads][thread]: see plan_streams
 };
 
@@ -1295,6 +1565,22 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+template <typename T>
+void bind_decoder(pybind11::module& m, const char* name) {
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+  using D = FusedDecoder<T>;
+  py::class_<D>(m, name)
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, const PartList&,
+                    const PartList&, torch::Tensor, torch::Tensor>())
+      .def("add_layer", &D::add_layer)
+      .def("forward", &D::forward, release())
+      .def("decode_greedy", &D::decode_greedy, release())
+      .def("logits", &D::logits, release())
+      .def("interrupt", &D::interrupt)
+      .def("clear_interrupt", &D::clear_interrupt);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
@@ -1302,13 +1588,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_gemv_rows") = py::int_(kMaxGemvRows);
   m.def("paged_decode_attention", &paged_decode_attention, release());
   m.def("argmax_rows", &argmax_rows, release());
-  py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, torch::Tensor,
-                    torch::Tensor, torch::Tensor>())
-      .def("add_layer", &FusedDecoder::add_layer)
-      .def("forward", &FusedDecoder::forward, release())
-      .def("decode_greedy", &FusedDecoder::decode_greedy, release())
-      .def("logits", &FusedDecoder::logits, release())
-      .def("interrupt", &FusedDecoder::interrupt)
-      .def("clear_interrupt", &FusedDecoder::clear_interrupt);
+  bind_decoder<float>(m, "FusedDecoderF32");
+  bind_decoder<uint16_t>(m, "FusedDecoderBF16");
+#ifdef __AVX512BF16__
+  m.attr("native_bf16") = true;
+#else
+  m.attr("native_bf16") = false;
+#endif
 }

@@ -480,4 +480,16 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
   dot_generic<R>(type, row, x, K, out);
 }
 
+constexpr int kRowGroup = 4;  // the most activation rows one pass over a weight row takes
+
+// out[r] = dot(weight row, activation row r) for n activation rows, 1 <= n <= kRowGroup.
+inline void dot_rows(int type, const uint8_t* row, const QRow* x, int n, int64_t K, float* out) {
+  switch (n) {
+    case 1: return dot<1>(type, row, x, K, out);
+    case 2: return dot<2>(type, row, x, K, out);
+    case 3: return dot<3>(type, row, x, K, out);
+    default: return dot<4>(type, row, x, K, out);
+  }
+}
+
 }  // namespace tmq

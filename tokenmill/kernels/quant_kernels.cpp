@@ -18,7 +18,6 @@
 namespace {
 
 constexpr int64_t kTileRows = 8;   // weight rows per work item
-constexpr int kRowGroup = 4;       // activation rows per pass over a weight row
 
 tmq::Format checked_format(int64_t type, int64_t K, const torch::Tensor& w) {
   tmq::Format f;
@@ -29,20 +28,6 @@ tmq::Format checked_format(int64_t type, int64_t K, const torch::Tensor& w) {
   TORCH_CHECK(w.size(1) == K / f.block * f.bytes, "quantized weight rows hold ", w.size(1), " bytes, expected ",
               K / f.block * f.bytes, " for ", K, " elements");
   return f;
-}
-
-template <int R>
-void dot_group(int type, const uint8_t* row, const tmq::QRow* x, int64_t K, float* out) {
-  tmq::dot<R>(type, row, x, K, out);
-}
-
-void dot_rows(int type, const uint8_t* row, const tmq::QRow* x, int n, int64_t K, float* out) {
-  switch (n) {
-    case 1: return dot_group<1>(type, row, x, K, out);
-    case 2: return dot_group<2>(type, row, x, K, out);
-    case 3: return dot_group<3>(type, row, x, K, out);
-    default: return dot_group<4>(type, row, x, K, out);
-  }
 }
 
 // Runs fn(tile) for tiles 0..n-1 on torch's intra-op threads, each thread taking the next tile from a
@@ -89,18 +74,18 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
     float* yp = y.data_ptr<float>();
     // Decode (few rows): long tiles, so each thread streams long runs of weight rows; prompt chunks:
     // short ones, whose weights stay in cache while every activation row passes over them.
-    const int64_t tile = M <= kRowGroup ? std::max<int64_t>(kTileRows, N / (16 * at::get_num_threads())) : kTileRows;
+    const int64_t tile = M <= tmq::kRowGroup ? std::max<int64_t>(kTileRows, N / (16 * at::get_num_threads())) : kTileRows;
     for_tiles((N + tile - 1) / tile, [&](int64_t t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      float out[kRowGroup];
-      for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
-        const int g = (int)std::min<int64_t>(kRowGroup, M - m0);
+      float out[tmq::kRowGroup];
+      for (int64_t m0 = 0; m0 < M; m0 += tmq::kRowGroup) {
+        const int g = (int)std::min<int64_t>(tmq::kRowGroup, M - m0);
         for (int64_t n = n0; n < n1; ++n) {
           if (n + 2 < n1) {  // the weight stream two rows ahead
             const char* ahead = (const char*)(wp + (n + 2) * row_bytes);
             for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
           }
-          dot_rows((int)type, wp + n * row_bytes, rows.data() + m0, g, K, out);
+          tmq::dot_rows((int)type, wp + n * row_bytes, rows.data() + m0, g, K, out);
           for (int r = 0; r < g; ++r) yp[(m0 + r) * N + n] = out[r];
         }
       }

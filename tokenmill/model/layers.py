@@ -100,6 +100,14 @@ class _QuantizableLinear(nn.Module):
     def missing_parts(self) -> bool:
         return self._qparts is not None and any(p is None for p in self._qparts)
 
+    def fused_parts(self) -> list[tuple[torch.Tensor, int]]:
+        """The weight as the fused decoder takes it: (tensor, GGML type id) per row range, in order; a
+        float weight is one dense part (type 0 float32, 30 bfloat16)."""
+        if self.qweight is None:
+            w = self.weight.detach()
+            return [(w, 30 if w.dtype == torch.bfloat16 else 0)]
+        return [(p.data, p.qtype) for p in self.qparts]
+
     def load_quantized(self, index: int, qweight) -> None:
         if qweight.shape != (self.out_sizes[index], self.in_features):
             raise ValueError(f"checkpoint tensor has shape {qweight.shape}, expected "

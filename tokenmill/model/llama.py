@@ -172,15 +172,14 @@ class LlamaForCausalLM(nn.Module):
         if fused is None:
             return None
         return fused.logits(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                            meta.decode_seq_lens, self.output_weight().detach())
+                            meta.decode_seq_lens)
 
     def _fused_decoder(self, kv_caches: list, meta: AttentionMetadata):
-        """The compiled whole-step decoder when this step is decode only, bf16 on a CPU that runs it; else None."""
-        weight = self.embed_tokens.weight
-        if self.quantized:  # the fused decoder reads bf16 weights only
-            return None
+        """The compiled whole-step decoder when this step is decode only, float32 or bf16 on a CPU that runs
+        it; else None."""
+        dtype = self.norm.weight.dtype
         if not (self.use_fused_decode and meta.num_reqs and meta.num_decodes == meta.num_reqs
-                and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+                and dtype in (torch.float32, torch.bfloat16) and self.norm.weight.device.type == "cpu"):
             return None
         key = (id(kv_caches), kv_caches[0][0].data_ptr(), meta.block_size)
         cached = getattr(self, "_fused", None)
@@ -200,20 +199,19 @@ class LlamaForCausalLM(nn.Module):
             p = None if module is None else getattr(module, name)
             return None if p is None else p.detach()
 
-        fused = kernels.FusedDecoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                     cfg.rms_norm_eps, self.layers[0].self_attn.scale, block_size,
-                                     t(self.norm), t(self.embed_tokens), self.rotary.cos.float(), self.rotary.sin.float())
+        dtype = self.norm.weight.dtype
+        decoder = kernels.FusedDecoderBF16 if dtype == torch.bfloat16 else kernels.FusedDecoderF32
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        fused = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+                        self.layers[0].self_attn.scale, block_size, t(self.norm), self.embed_tokens.fused_parts(),
+                        head.fused_parts(), self.rotary.cos.float(), self.rotary.sin.float())
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
-            fused.add_layer(t(layer.input_layernorm), t(a.qkv_proj), t(a.qkv_proj, "bias"), t(a.q_norm), t(a.k_norm),
-                            t(a.o_proj), t(a.o_proj, "bias"), t(layer.post_attention_layernorm),
-                            t(m.gate_up_proj), t(m.gate_up_proj, "bias"), t(m.down_proj), t(m.down_proj, "bias"),
-                            k_cache, v_cache, a.sliding_window or 0)
+            fused.add_layer(t(layer.input_layernorm), a.qkv_proj.fused_parts(), t(a.qkv_proj, "bias"), t(a.q_norm),
+                            t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.post_attention_layernorm),
+                            m.gate_up_proj.fused_parts(), t(m.gate_up_proj, "bias"), m.down_proj.fused_parts(),
+                            t(m.down_proj, "bias"), k_cache, v_cache, a.sliding_window or 0)
         return fused
-
-    def output_weight(self) -> torch.Tensor:
-        """The output layer's weight [vocab, hidden] (the embedding's, where the two are tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.as_output(hidden) if self.lm_head is None else self.lm_head(hidden)
