@@ -11,6 +11,7 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.decode_graphs import DecodeGraphs
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.arena import huge_page_buffer
 from tokenmill.sample.sampler import Sampler, token_logprobs
 
@@ -36,6 +37,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        if device.type == "cpu":
+            cpu_kernels.fit_threads()
         cfg = model.config
         # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
         # One block more than the pool hands out: the scratch block that padded decode rows write to.

@@ -46,6 +46,37 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process can keep busy: those its affinity mask allows, and no more than its cgroup's
+    CPU quota (v2 cpu.max "QUOTA PERIOD", v1 cpu.cfs_quota_us / cpu.cfs_period_us), rounded down: a thread
+    over the quota is throttled, which a team meeting at barriers feels as a lost core."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = period = None
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as f:
+            q, p = f.read().split()[:2]
+        quota, period = (None if q == "max" else int(q)), int(p)
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as f, \
+                    open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as g:
+                quota, period = int(f.read()), int(g.read())
+        except (OSError, ValueError):
+            pass
+    if quota is not None and quota > 0 and period:
+        cpus = min(cpus, quota // period)
+    return max(1, cpus)
+
+
+def fit_threads() -> int:
+    """Lowers torch's intra-op thread count (the kernels' teams follow it) to usable_cpus(); returns it."""
+    usable = usable_cpus()
+    if torch.get_num_threads() > usable:
+        logger.info("using %d threads: the CPUs this process may use (affinity, cgroup quota)", usable)
+        torch.set_num_threads(usable)
+    return torch.get_num_threads()
+
+
 def build(source: str) -> object:
     """Compiles a kernel source file (this package's, or another version of it to compare against) for
     this CPU: with its AVX-512 BF16 instructions where it has them, emulated where it does not."""

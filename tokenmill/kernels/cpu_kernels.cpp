@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -701,8 +702,18 @@ int64_t argmax_row(const T* row, int64_t N) {
 // lets the scheduler move it there.
 class SpinBarrier {
  public:
+  // Cycles the calling thread has spent waiting here (see TeamClock).
+  static inline thread_local uint64_t waited = 0;
+
   void wait(int n) {
     if (n <= 1) return;
+    const uint64_t t0 = __rdtsc();
+    wait_for(n);
+    waited += __rdtsc() - t0;
+  }
+
+ private:
+  void wait_for(int n) {
     const int gen = generation_.load();
     if (arrived_.fetch_add(1) == n - 1) {
       arrived_.store(0);
@@ -723,7 +734,6 @@ class SpinBarrier {
     }
   }
 
- private:
   static constexpr std::chrono::microseconds kSpinTime{100};
   void futex(int op, int value) {
     syscall(SYS_futex, reinterpret_cast<int*>(&generation_), op, value, nullptr, nullptr, 0);
@@ -741,21 +751,41 @@ inline int64_t team_size() {
   return std::max<int64_t>(1, cpus);
 }
 
+// How long a team's region took and how much of it each thread spent waiting at barriers: a thread
+// that waits most of the time waits for another that has lost its core (another process runs there).
+struct TeamClock {
+  uint64_t cycles = 0;
+  std::vector<uint64_t> waited;
+  // The share of the region the most-waiting thread spent waiting.
+  double lag() const {
+    uint64_t most = 0;
+    for (uint64_t w : waited) most = std::max(most, w);
+    return cycles ? (double)most / (double)cycles : 0.0;
+  }
+};
+
 // Runs body(worker, workers, barrier) on every thread of one parallel region of team_size() threads.
 // The region may have fewer threads than asked for (one, inside another region): each thread counts
 // itself in, and all wait until every index of the region is taken before starting, so `workers` is
-// the true number of threads.
+// the true number of threads. Returns the region's TeamClock.
 template <typename F>
-void run_team(int64_t want, const F& body) {
+TeamClock run_team(int64_t want, const F& body) {
   std::atomic<int64_t> taken{0};
   std::atomic<int> joined{0};
   SpinBarrier barrier;
+  TeamClock clock;
+  clock.waited.assign(want, 0);
+  const uint64_t start = __rdtsc();
   at::parallel_for(0, want, 1, [&](int64_t i0, int64_t i1) {
     const int me = joined.fetch_add(1);
     taken.fetch_add(i1 - i0);
     while (taken.load() < want) std::this_thread::yield();
+    const uint64_t before = SpinBarrier::waited;
     body(me, joined.load(), barrier);
+    clock.waited[me] = SpinBarrier::waited - before;
   });
+  clock.cycles = __rdtsc() - start;
+  return clock;
 }
 
 // Rows [begin, end) of N that worker w of n takes: equal shares, cut at multiples of 16 rows.
@@ -1059,7 +1089,7 @@ class FusedDecoder {
       const int threads = team_threads();
       TeamBuffers buf(*this, s.B, threads);
       StepPlans plan = attention_plan(s, threads);
-      run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
+      team(threads, [&](int w, int n, SpinBarrier& barrier) {
         Walks walks(streams_[n][w], s.B, false);
         ThreadState ts(D_);
         team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
@@ -1117,7 +1147,7 @@ class FusedDecoder {
     const int threads = team_threads();
     TeamBuffers buf(*this, s.B, threads);
     StepPlans plan = attention_plan(s, threads);
-    run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
+    team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n);
       Walks walks(stream, s.B, false);
       ThreadState ts(D_);
@@ -1214,12 +1244,39 @@ class FusedDecoder {
     return B <= kMaxGemvRows && hidden_ % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
   }
 
-  // The threads a parallel region asks for, with their weight streams planned.
+  // The threads a parallel region asks for, with their weight streams planned: the team, or one thread
+  // while the team is known to lag (see team()).
   int team_threads() {
-    const int threads = (int)team_size();
+    int threads = (int)team_size();
+    ++calls_;
+    if (threads > 1 && solo_left_ > 0) --solo_left_, ++solo_calls_, threads = 1;
     plan_streams(threads);
     return threads;
   }
+
+  // Runs body on a team of `threads` (run_team). Where one thread spent most of the region waiting at
+  // barriers, another process holds a team thread's core, and every one of a step's hundreds of barriers
+  // waits for the scheduler to give that thread its core back. The next kSoloCalls calls then run on
+  // one thread, which has no barrier to wait at and which the OS runs on whichever core is free (decode
+  // is bound by memory bandwidth, so one core keeps well over half of two cores' speed); after them the
+  // whole team is tried again.
+  template <typename F>
+  void team(int threads, const F& body) {
+    const TeamClock clock = run_team(threads, body);
+    last_lag_ = clock.lag();
+    if (threads > 1 && last_lag_ > kLagShare) solo_left_ = kSoloCalls, ++lagged_;
+  }
+
+ public:
+  // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
+  std::tuple<int64_t, int64_t, int64_t, double> team_stats() const { return {calls_, solo_calls_, lagged_, last_lag_}; }
+
+ private:
+  static constexpr double kLagShare = 0.5;
+  static constexpr int kSoloCalls = 64;
+  int solo_left_ = 0;
+  int64_t calls_ = 0, solo_calls_ = 0, lagged_ = 0;
+  double last_lag_ = 0.0;
 
   // The attention plans of a step: one per distinct window among the layers, and the one each layer uses.
   struct StepPlans {
@@ -1411,7 +1468,7 @@ class FusedDecoder {
       begin_step(s, longs(burst.ids), longs(burst.pos), x);
       plan = attention_plan(s, threads);
     };
-    run_team(threads, [&](int w, int n, SpinBarrier& barrier) {
+    team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n);
       Walks walks(stream, B, true);
       ThreadState ts(D_);
@@ -1578,7 +1635,8 @@ void bind_decoder(pybind11::module& m, const char* name) {
       .def("decode_greedy", &D::decode_greedy, release())
       .def("logits", &D::logits, release())
       .def("interrupt", &D::interrupt)
-      .def("clear_interrupt", &D::clear_interrupt);
+      .def("clear_interrupt", &D::clear_interrupt)
+      .def("team_stats", &D::team_stats);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
