@@ -71,3 +71,30 @@ def test_a_team_lagging_behind_a_busy_core_goes_on_with_one_thread(tiny_models):
     calls2, solo2, lagged2, _ = fused.team_stats()
     assert len(out.token_ids) == 200 and calls2 - calls >= 199
     assert lagged2 > lagged and solo2 - solo >= 64, (calls2 - calls, solo2 - solo, lagged2 - lagged)
+
+
+@pytest.mark.skipif(len(CPUS) < 2 or cpu_kernels.load() is None, reason="needs two CPUs and the CPU kernels")
+def test_one_thread_gives_the_teams_numbers(tiny_models):
+    """Going on with one thread must not change what a step computes (outputs may not depend on whether
+    another process held a core): the same logprobs, bit for bit, and the same greedy tokens in bursts,
+    for a context long enough that the team splits its attention over the threads."""
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
+    prompt = [3 + i % 300 for i in range(300)]
+    sampled = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=3)  # one step at a time
+    burst = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # greedy bursts
+    runs = []
+    for solo in (False, True):
+        llm.generate([[1, 2]], burst, use_tqdm=False)  # the fused decoder exists from here on
+        fused = llm.engine.model._fused[1]
+        fused.run_solo(10 ** 6 if solo else 0, adaptive=False)
+        _, solo_before, _, _ = fused.team_stats()
+        out = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for params in (sampled, burst)]
+        _, solo_after, _, _ = fused.team_stats()
+        assert (solo_after - solo_before >= 30) == solo
+        runs.append([(o.token_ids, o.logprobs) for o in out])
+    fused.run_solo(0, adaptive=True)
+    (team_lp, team_burst), (solo_lp, solo_burst) = runs
+    assert team_lp[0] == solo_lp[0]
+    assert [{t: lp.logprob for t, lp in d.items()} for d in team_lp[1]] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in solo_lp[1]]
+    assert team_burst[0] == solo_burst[0]

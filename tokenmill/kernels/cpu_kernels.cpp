@@ -1088,7 +1088,7 @@ class FusedDecoder {
     if (runs_in_team(s.B)) {
       const int threads = team_threads();
       TeamBuffers buf(*this, s.B, threads);
-      StepPlans plan = attention_plan(s, threads);
+      StepPlans plan = attention_plan(s);
       team(threads, [&](int w, int n, SpinBarrier& barrier) {
         Walks walks(streams_[n][w], s.B, false);
         ThreadState ts(D_);
@@ -1146,7 +1146,7 @@ class FusedDecoder {
     auto out = torch::empty({s.B, head_.N}, in.x.options());
     const int threads = team_threads();
     TeamBuffers buf(*this, s.B, threads);
-    StepPlans plan = attention_plan(s, threads);
+    StepPlans plan = attention_plan(s);
     team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n);
       Walks walks(stream, s.B, false);
@@ -1264,17 +1264,21 @@ class FusedDecoder {
   void team(int threads, const F& body) {
     const TeamClock clock = run_team(threads, body);
     last_lag_ = clock.lag();
-    if (threads > 1 && last_lag_ > kLagShare) solo_left_ = kSoloCalls, ++lagged_;
+    if (threads > 1 && last_lag_ > kLagShare) ++lagged_, solo_left_ = adaptive_ ? kSoloCalls : solo_left_;
   }
 
  public:
   // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
   std::tuple<int64_t, int64_t, int64_t, double> team_stats() const { return {calls_, solo_calls_, lagged_, last_lag_}; }
+  // The next `calls` calls run on one thread, as after a lagging team; adaptive=false: a lagging team
+  // does not switch (to compare the two on equal terms).
+  void run_solo(int64_t calls, bool adaptive) { solo_left_ = (int)calls, adaptive_ = adaptive; }
 
  private:
   static constexpr double kLagShare = 0.5;
   static constexpr int kSoloCalls = 64;
   int solo_left_ = 0;
+  bool adaptive_ = true;
   int64_t calls_ = 0, solo_calls_ = 0, lagged_ = 0;
   double last_lag_ = 0.0;
 
@@ -1287,7 +1291,11 @@ class FusedDecoder {
 
   // How the attention of the step's requests splits over the threads, per layer. A window that no
   // request's context exceeds selects every token, as no window does, so the two share a plan.
-  StepPlans attention_plan(const Step& s, int threads) const {
+  // The split is made for the whole team even when fewer threads run the step (see team()): how tokens
+  // are split changes the rounding of the merged result, and a step's numbers must not depend on
+  // whether another process happened to hold a core.
+  StepPlans attention_plan(const Step& s) const {
+    const int64_t threads = team_size();
     int64_t longest = 0;
     for (int64_t b = 0; b < s.B; ++b) longest = std::max(longest, s.lens[b]);
     StepPlans p;
@@ -1460,13 +1468,13 @@ class FusedDecoder {
     // embedding: the constructor checked the head has no more rows).
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(longs(burst.pos)[b] + steps <= cos_.size(0), "position beyond the rotary table");
-    StepPlans plan = attention_plan(s, threads);
+    StepPlans plan = attention_plan(s);
     int64_t done = 0;
     bool more = true;
     auto next_step = [&] {  // on one thread, while the others wait
       s.slot = all_slots + done * B;
       begin_step(s, longs(burst.ids), longs(burst.pos), x);
-      plan = attention_plan(s, threads);
+      plan = attention_plan(s);
     };
     team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n);
@@ -1636,7 +1644,8 @@ void bind_decoder(pybind11::module& m, const char* name) {
       .def("logits", &D::logits, release())
       .def("interrupt", &D::interrupt)
       .def("clear_interrupt", &D::clear_interrupt)
-      .def("team_stats", &D::team_stats);
+      .def("team_stats", &D::team_stats)
+      .def("run_solo", &D::run_solo, pybind11::arg("calls"), pybind11::arg("adaptive") = true);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
