@@ -32,10 +32,11 @@ def random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def write_llama_gguf(path, folder: str, types) -> str:
+def write_llama_gguf(path, folder: str, types, metadata: dict | None = None) -> str:
     """The tiny Llama in `folder` (HF format, with its tokenizer) as a GGUF file. types(gguf name) gives each
     weight's type name: F32, Q8_0/Q4_0/Q4_1/Q5_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K
-    (random blocks: the file's weights are then whatever those blocks hold). Norms stay F32."""
+    (random blocks: the file's weights are then whatever those blocks hold). Norms stay F32. metadata: more
+    key/value pairs (floats as FLOAT32, ints as INT32)."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -69,6 +70,8 @@ def write_llama_gguf(path, folder: str, types) -> str:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_bos_token_id(cfg.get("bos_token_id", 1))
     writer.add_eos_token_id(cfg.get("eos_token_id", 2))
+    for key, value in (metadata or {}).items():
+        writer.add_float32(key, value) if isinstance(value, float) else writer.add_int32(key, value)
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -98,6 +99,11 @@ class EngineConfig:
     # On a GPU, decode-only steps replay CUDA graphs of the forward pass (one launch instead of hundreds);
     # True keeps every step eager.
     enforce_eager: bool = False
+    # Sampling defaults of requests that leave fields out: "auto" (the model's generation_config, then
+    # the GGUF's sampling metadata, then a built-in model's recommended values, then llama.cpp's
+    # defaults), "vllm" (neutral OpenAI defaults) or a path to a generation_config.json or its folder.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None  # fields set over whichever defaults won
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -118,3 +124,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.exists(self.generation_config):
+            raise ValueError("generation_config must be auto, vllm or the path of a generation_config.json (or "
+                             f"its folder); {self.generation_config!r} does not exist")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a dict of sampling fields, e.g. "
+                             '{"temperature": 0.5}')

@@ -17,6 +17,7 @@ from tokenmill.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from tokenmill.model.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner import ModelRunner, kv_bytes_per_block
+from tokenmill.sample import defaults as sampling_defaults
 from tokenmill.sample.sampler import needs_processing
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -39,6 +40,10 @@ class LLMEngine:
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self.loaded.eos_token_ids
+        self.sampling_defaults = sampling_defaults.resolve(
+            config.generation_config, self.loaded.generation_config, self.loaded.gguf_sampling,
+            self.loaded.named_model, config.override_generation_config)
+        logger.info("sampling defaults: %s", self.sampling_defaults.describe())
 
         context = mcfg.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > context:
@@ -70,14 +75,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation_config defaults (temperature, top_p, top_k, ...)."""
-        gen = self.loaded.generation_config
-        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                "repetition_penalty": "repetition_penalty"}
-        values = {ours: gen[theirs] for ours, theirs in keys.items() if gen.get(theirs) is not None}
-        if gen.get("do_sample") is False:
-            values["temperature"] = 0.0
-        return SamplingParams(**values)
+        """SamplingParams with the defaults in force for this model (sample/defaults.py)."""
+        return self.sampling_defaults.params()
 
     def encode(self, prompt: PromptInput) -> list[int]:
         """Token ids of a prompt; a list of ints is checked against the vocabulary."""

