@@ -8,14 +8,16 @@ import logging
 import os
 import threading
 import time
+from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.server import dashboard
 from tokenmill.server.logprobs import TokenText
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -55,6 +57,7 @@ class ServerState:
         try:
             llm_engine = LLMEngine(EngineConfig(**self.engine_kwargs))
             engine = AsyncEngine(llm_engine, on_step=self.metrics.on_step)
+            self.metrics.timeline.stats_source = llm_engine.stats
             engine.add_death_callback(lambda: self.stop(1))
             engine.start()
             self.engine = engine
@@ -234,6 +237,24 @@ def build_app(state: ServerState) -> FastAPI:
         if state.engine is not None:
             state.metrics.refresh(state.engine.engine.stats())
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard_page():
+        # The page holds no data; what it shows comes from /dashboard/stats, which the API key guards.
+        return HTMLResponse(dashboard.page(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/stats", dependencies=guarded)
+    async def dashboard_stats(since: Optional[int] = None):
+        snap = state.metrics.timeline.snapshot(since)
+        engine = state.engine.engine if state.engine is not None else None
+        snap["model"] = state.model_name
+        snap["status"] = "loading" if state.engine is None else ("dead" if state.engine.is_dead else "ok")
+        snap["started"] = state.started
+        snap["sampling_defaults"] = engine.sampling_defaults.describe() if engine is not None else None
+        snap["max_num_seqs"] = engine.config.max_num_seqs if engine is not None else None
+        snap["kv_cache_blocks"] = engine.num_blocks if engine is not None else None
+        snap["speculative"] = None  # acceptance rates, once speculative decoding runs
+        return snap
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.outputs import RequestOutput
+from tokenmill.server.dashboard import Timeline
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -43,27 +44,33 @@ class ServerMetrics:
                              _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _E2E_BUCKETS)
+        self.timeline = Timeline()  # the dashboard's per-second view of the same events
         self._seen_tokens: dict[str, tuple[int, float]] = {}
         self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
         """Called on the engine thread after each step with the outputs it produced."""
+        new_tokens, finished, ttfts, gaps = 0, 0, [], []
         for out in outputs:
             ntok = sum(len(c.token_ids) for c in out.outputs)
             prev, last_time = self._seen_tokens.get(out.request_id, (0, None))
             if prev == 0 and ntok > 0:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 if out.metrics.first_token_time is not None:
-                    self.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+                    ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+                    self.ttft.observe(ttfts[-1])
                 if out.metrics.first_scheduled_time is not None:
                     self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
             elif ntok > prev and last_time is not None:
                 gap = (now - last_time) / (ntok - prev)
                 for _ in range(ntok - prev):
                     self.itl.observe(gap)
+                gaps.extend([gap] * (ntok - prev))
             if ntok > prev:
                 self.generation_tokens.inc(ntok - prev)
+                new_tokens += ntok - prev
             if out.finished:
+                finished += 1
                 self._seen_tokens.pop(out.request_id, None)
                 self.e2e.observe(now - out.metrics.arrival_time)
                 for c in out.outputs:
@@ -73,6 +80,7 @@ class ServerMetrics:
                         self.success.labels(self.model_name, c.finish_reason).inc()
             else:
                 self._seen_tokens[out.request_id] = (ntok, now)
+        self.timeline.record(now, new_tokens, ttfts, gaps, finished)
 
     def refresh(self, stats: dict) -> None:
         """Copy the engine's gauges and counters (read at scrape time)."""

@@ -1,0 +1,98 @@
+"""What keeping /dashboard open costs the server: output throughput of one fixed load with and without the
+page open in a headless browser (Debian's chromium, driven by selenium) on the same machine.
+
+Trials alternate A (no page) and B (page open), so bandwidth and frequency swings of the machine fall on
+both; the figure is the ratio of the medians. With --screenshot PATH, the page is also saved as a PNG
+while the load runs (docs/dashboard.png).
+
+    python benchmarks/dashboard_overhead.py [--model M] [--rounds 4] [--screenshot docs/dashboard.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tests.server_utils import ServerProcess  # noqa: E402
+
+
+async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> float:
+    """Output tokens per second of `requests` completions, `concurrency` at a time."""
+    sem = asyncio.Semaphore(concurrency)
+    tokens = 0
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(i):
+            nonlocal tokens
+            async with sem:
+                r = await client.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": f"Write a short story about the number {i}."}],
+                    "max_tokens": max_tokens, "ignore_eos": True, "seed": i})
+                tokens += r.json()["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        return tokens / (time.perf_counter() - start)
+
+
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="default: the built-in default model")
+    ap.add_argument("--rounds", type=int, default=4, help="A/B pairs")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--screenshot", default=None)
+    args = ap.parse_args()
+    from tokenmill.model.hub import pull
+
+    server = ServerProcess(args.model or pull())
+    page = None
+    results = {"closed": [], "open": []}
+    try:
+        asyncio.run(load(server.url, args.requests, args.concurrency, args.max_tokens))  # warm-up
+        for r in range(args.rounds):
+            for state in (("closed", "open") if r % 2 == 0 else ("open", "closed")):
+                if state == "open":
+                    page = browser()
+                    page.get(server.url + "/dashboard")
+                    time.sleep(2)
+                tps = asyncio.run(load(server.url, args.requests, args.concurrency, args.max_tokens))
+                if page is not None:
+                    updates = page.execute_script("return window.dashboardUpdates || 0")
+                    assert updates > 3, "the page was not polling"
+                    if args.screenshot and r == args.rounds - 1:
+                        page.save_screenshot(args.screenshot)
+                    page.quit()
+                    page = None
+                results[state].append(tps)
+                print(f"round {r} dashboard {state:6s} {tps:7.1f} output tok/s", flush=True)
+    finally:
+        if page is not None:
+            page.quit()
+        server.stop()
+    closed, opened = statistics.median(results["closed"]), statistics.median(results["open"])
+    print(f"median: closed {closed:.1f}, open {opened:.1f} output tok/s; open/closed = {opened / closed:.3f}")
+
+
+if __name__ == "__main__":
+    main()
