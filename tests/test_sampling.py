@@ -230,3 +230,40 @@ def test_invalid_params_rejected(kwargs, fragment):
     with pytest.raises(ValueError, match=None) as e:
         SamplingParams(**kwargs)
     assert fragment in str(e.value)
+
+
+def _large_row(kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(20000, generator=g)
+    lead = {"peaked": 30.0, "moderate": 12.0, "flat": 6.0}[kind]
+    row[:10] = lead - 0.5 * torch.arange(10.0)  # ten leading tokens over a long tail
+    return row
+
+
+@pytest.mark.parametrize("kind,kwargs", [
+    ("peaked", {"temperature": 0.5, "top_p": 0.9}),  # the tail's mass is negligible
+    ("moderate", {"temperature": 1.0, "top_p": 0.9}),  # the tail's mass counts (one softmax gives it)
+    ("flat", {"temperature": 1.0, "top_p": 0.9}),  # the nucleus reaches past the ranked tokens
+    ("moderate", {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}),
+    ("flat", {"temperature": 1.0, "min_p": 0.3}),
+    ("flat", {"temperature": 1.5, "min_p": 0.001}),  # min-p keeps tokens past the ranked ones
+])
+def test_sampling_distribution_over_a_large_vocabulary(kind, kwargs):
+    """Truncated sampling draws from the highest logits alone where it can; the draws follow the
+    definition (numpy, float64) over a 20,000-token vocabulary: the ten leading tokens one by one, the
+    rest of the kept set as one bin, and nothing outside it."""
+    row = _large_row(kind)
+    target = expected(row.double().numpy(), **kwargs)
+    sampler = Sampler(row.shape[0], seed=99)
+    n, chunk = 4000, 2000
+    counts = np.zeros(row.shape[0])
+    for c in range(n // chunk):
+        reqs = [Request(f"{c}-{i}", [0], SamplingParams(**kwargs), 16) for i in range(chunk)]
+        tokens, _ = sampler(row.repeat(chunk, 1), reqs)
+        counts += np.bincount(tokens, minlength=row.shape[0])
+    assert counts[target == 0].sum() == 0
+    bins_obs = np.append(counts[:10], counts[10:].sum()) / n
+    bins_exp = np.append(target[:10], target[10:].sum())
+    nz = bins_exp > 0
+    chi2 = n * np.sum((bins_obs[nz] - bins_exp[nz]) ** 2 / bins_exp[nz])
+    assert chi2 < 31.3, (bins_obs, bins_exp)  # 99.9% quantile for 10 degrees of freedom (29.6 for 10, 31.3 for 11 bins)

@@ -166,9 +166,7 @@ class Sampler:
             # the softmax: an infinite logit becomes the largest float (the tokens there share the mass),
             # a NaN one is never drawn.
             sub = torch.nan_to_num(sub / temp, nan=_NEG_INF, posinf=torch.finfo(sub.dtype).max)
-            sub = filter_logits(sub, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
-            tokens[random_rows] = self._draw(sub.softmax(dim=-1), [reqs[i] for i in random_rows],
-                                             tokens[random_rows])
+            tokens[random_rows] = self._sample(sub, params, [reqs[i] for i in random_rows], tokens[random_rows])
 
         token_list = tokens.tolist()
         logprobs: list[dict | None] = [None] * len(reqs)
@@ -178,6 +176,65 @@ class Sampler:
                 if k is not None:
                     logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], k)
         return token_list, logprobs
+
+    def _sample(self, sub: torch.Tensor, params: list, reqs: list[Request], fallback: torch.Tensor) -> torch.Tensor:
+        """One token per row of temperature-scaled logits, under each row's top-k, top-p and min-p."""
+        out = fallback.clone()
+        truncating = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
+        undecided = self._sample_candidates(sub, truncating, params, reqs, out) if (
+            truncating and sub.device.type == "cpu") else truncating
+        rest = sorted(set(range(len(params))) - set(truncating) | set(undecided))
+        if rest:
+            s, p = sub[rest], [params[j] for j in rest]
+            s = filter_logits(s, [q.top_k for q in p], [q.top_p for q in p], [q.min_p for q in p])
+            out[rest] = self._draw(s.softmax(dim=-1), [reqs[j] for j in rest], fallback[rest])
+        return out
+
+    def _sample_candidates(self, sub: torch.Tensor, rows: list[int], params: list, reqs: list[Request],
+                           out: torch.Tensor) -> list[int]:
+        """Draw rows under top-k / top-p / min-p from their highest logits alone, ranked once for the batch
+        (torch.topk), instead of masking and normalising every row over the whole vocabulary (~2 ms a row
+        of 49k tokens here). top-p needs a row's whole probability mass: where the mass beyond the ranked
+        tokens, at most (tokens left) x (the last ranked one's weight), is under 1e-7 of theirs (float32's
+        resolution) it is left out, else it comes from one softmax of those rows. Rows whose kept set may
+        reach past the ranked tokens are returned, for the whole-row path."""
+        vocab = sub.shape[-1]
+        k = min(vocab, max([256] + [params[j].top_k for j in rows]))
+        logits = sub[rows]
+        values, ids = logits.topk(k, dim=-1)
+        top_k = torch.tensor([params[j].top_k or k for j in rows]).unsqueeze(1)
+        top_p = torch.tensor([params[j].top_p for j in rows], dtype=torch.float32).unsqueeze(1)
+        min_p = torch.tensor([params[j].min_p for j in rows], dtype=torch.float32).unsqueeze(1)
+        ranked_only = torch.tensor([params[j].top_k > 0 for j in rows])  # top-k renormalises among the k
+        finite = torch.isfinite(values[:, 0])
+        weights = torch.where(torch.arange(k).unsqueeze(0) < top_k, (values - values[:, :1]).exp(), 0.0)
+        weights = torch.where(finite.unsqueeze(1), weights, 0.0)
+        mass = weights.sum(dim=1)
+        if k < vocab:
+            beyond = (vocab - k) * weights[:, -1]
+            exact = ~ranked_only & (top_p.squeeze(1) < 1) & (beyond > 1e-7 * mass) & finite
+            if bool(exact.any()):
+                rows_exact = exact.nonzero().squeeze(1)
+                p_top = logits[rows_exact].softmax(dim=-1).gather(1, ids[rows_exact, :1]).squeeze(1)
+                mass[rows_exact] = 1.0 / p_top  # the top token's weight is 1
+        probs = weights / mass.clamp_min(1e-30).unsqueeze(1)
+        before = probs.cumsum(dim=1) - probs
+        keep = before < top_p
+        keep[:, 0] = True
+        keep &= probs >= min_p * probs[:, :1]
+        # A token past the ranked ones would be kept if the nucleus has not closed within them and its
+        # weight (at most the last ranked one's) passes min-p.
+        open_ended = ~ranked_only & ((top_p.squeeze(1) >= 1) | (probs.sum(dim=1) < top_p.squeeze(1))) & (
+            weights[:, -1] >= min_p.squeeze(1)) & finite if k < vocab else torch.zeros(len(rows), dtype=torch.bool)
+        cdf = (probs * keep).double().cumsum(dim=1)
+        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=reqs[j].generator or self.generator)
+                       for j in rows])
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp_(max=k - 1)
+        drawn = ids.gather(1, pick).squeeze(1)
+        settled = finite & ~open_ended
+        index = torch.tensor(rows)
+        out[index[settled]] = drawn[settled]
+        return [j for j, o in zip(rows, open_ended.tolist()) if o]
 
     def _draw(self, probs: torch.Tensor, reqs: list[Request], fallback: torch.Tensor) -> torch.Tensor:
         """One token per row of probs [rows, vocab], drawn by inverting the row's cumulative distribution
