@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.structured.params import StructuredOutputsParams
+
 # Bounds that keep one request from exhausting the server; generous for offline use.
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -48,6 +50,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # What the output must match (a JSON schema, regex, choice, grammar): tokenmill.structured. A dict of
+    # StructuredOutputsParams' fields is taken too; guided_decoding is the older name.
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None
     # FINAL_ONLY: nobody reads the request's outputs before it ends, so its tokens need not be handed on one
     # step at a time, and the engine may run decode steps back to back for it.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -61,6 +67,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -20,6 +20,7 @@ from tokenmill.runner import ModelRunner, kv_bytes_per_block
 from tokenmill.sample import defaults as sampling_defaults
 from tokenmill.sample.sampler import needs_processing
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.structured.backend import GrammarMatcher, Grammars
 
 logger = logging.getLogger("tokenmill")
 
@@ -72,11 +73,22 @@ class LLMEngine:
         self._next_id = 0
         self.last_step = None  # the latest SchedulerOutput, for stats and tests
         self._interrupted = threading.Event()  # new work waits: no burst of decode steps now
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the defaults in force for this model (sample/defaults.py)."""
         return self.sampling_defaults.params()
+
+    @property
+    def grammars(self) -> Grammars:
+        """Compiles structured-output constraints for this model's tokenizer (built on first use). Its
+        compile() may run on any thread; the server runs it before handing a request to the engine."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def encode(self, prompt: PromptInput) -> list[int]:
         """Token ids of a prompt; a list of ints is checked against the vocabulary."""
@@ -116,9 +128,12 @@ class LLMEngine:
         max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens)
         if params._eos_token_ids == ():
             params = params.clone(_eos_token_ids=self.eos_token_ids)
+        compiled = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time or time.time()
         children = [Request(request_id if params.n == 1 else f"{i}_{request_id}", ids, params, max_tokens,
-                            parent_id=request_id, index=i, arrival_time=now) for i in range(params.n)]
+                            parent_id=request_id, index=i, arrival_time=now,
+                            grammar=GrammarMatcher(compiled) if compiled is not None else None)
+                    for i in range(params.n)]
         self.output_processor.add(prompt if isinstance(prompt, str) else None, ids, children)
         for child in children:
             self.scheduler.add_request(child)

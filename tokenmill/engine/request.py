@@ -53,6 +53,7 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)
     metrics: RequestMetrics | None = None
     num_preemptions: int = 0
+    grammar: object | None = None  # a structured.GrammarMatcher: where the output stands in its constraint
 
     def __post_init__(self) -> None:
         if self.metrics is None:

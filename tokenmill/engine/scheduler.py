@@ -7,12 +7,15 @@ and a single decode token are all the same rule.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass(slots=True)
@@ -162,11 +165,24 @@ class Scheduler:
                 lp = model_out.logprobs[req.request_id]
                 req.logprobs.append(lp)
                 req.cumulative_logprob += lp[token].logprob
-            self._check_stop(req, token)
+            if req.grammar is not None:
+                self._advance_grammar(req, token)
+            if not req.is_finished:
+                self._check_stop(req, token)
             changed.append(req)
             if req.is_finished:
                 self._free(req)
         return changed
+
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """Move the request's grammar past the token; a grammar that has reached its end (it accepted a
+        stop token) ends the request, ignore_eos or not."""
+        if not req.grammar.accept(token):  # the mask allowed it, so this is a bug: end it, do not loop
+            logger.error("request %s: token %d does not fit its grammar; ending it", req.request_id, token)
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.grammar.is_terminated:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = None
 
     def _check_stop(self, req: Request, token: int) -> None:
         sp = req.sampling_params

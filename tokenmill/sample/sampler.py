@@ -8,6 +8,7 @@ import torch
 from tokenmill.engine.request import Request
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.outputs import Logprob
+from tokenmill.structured.backend import allocate_bitmask, apply_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -135,7 +136,7 @@ def needs_processing(r: Request) -> bool:
     """False for plain greedy choice: the largest logit as it is, nothing else asked of the logits."""
     sp = r.sampling_params
     return (not sp.greedy or sp.logprobs is not None or bool(sp.logit_bias) or sp.needs_penalties
-            or r.num_output_tokens < sp.min_tokens)
+            or r.num_output_tokens < sp.min_tokens or r.grammar is not None)
 
 
 class Sampler:
@@ -153,6 +154,12 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in reqs):
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = logits.clone()
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:  # tokens the request's grammar does not allow next: -inf, before anything else
+            bitmask = allocate_bitmask(len(reqs), logits.shape[-1])
+            for i in constrained:
+                reqs[i].grammar.fill(bitmask, i)
+            apply_bitmask(logits, bitmask, constrained)
         apply_bias_and_min_tokens(logits, reqs)
         apply_penalties(logits, reqs, self.vocab_size)
 

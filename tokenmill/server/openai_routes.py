@@ -72,7 +72,20 @@ def _sampling(state, body, max_tokens, logprobs, prompt_logprobs=None):
         params.validate_for_vocab(state.ready_engine().engine.vocab_size)
         return params
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+
+
+async def _compile_constraint(state: ServerState, body, params) -> None:
+    """Compile the request's output constraint (cached) off the event loop and off the engine thread, so
+    a large schema holds up neither; a bad one is a 400 naming its field."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    engine = state.ready_engine().engine
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile, spec)
+    except ValueError as e:
+        raise APIError(400, str(e), param=body.structured()[1]) from None
 
 
 async def _encode(state: ServerState, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
@@ -258,6 +271,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
             prompt_lps = max(prompt_lps or 0, body.logprobs)
         params = [_sampling(state, body, _max_tokens(state, requested, len(ids), "prompt"), body.logprobs, prompt_lps)
                   for _, ids in encoded]
+        await _compile_constraint(state, body, params[0])
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [engine.add(f"{rid}-{i}", ids, sp, text, reserved=True)
                    for i, ((text, ids), sp) in enumerate(zip(encoded, params))]
@@ -361,6 +375,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
         requested = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling(state, body, _max_tokens(state, requested, len(ids), "messages"), top, body.prompt_logprobs)
+        await _compile_constraint(state, body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add(rid, ids, params, prompt, reserved=True)
     created = int(time.time())

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.structured.params import StructuredOutputsParams
+
+
+class FieldError(ValueError):
+    """A bad value, with the request field it came from (the error's `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _Body(BaseModel):
@@ -16,6 +25,22 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False  # vLLM's: usage so far on every chunk
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class _SamplingBody(_Body):
@@ -44,6 +69,39 @@ class _SamplingBody(_Body):
     cache_salt: Optional[str] = None
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N", never ambiguous
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and guided_* fields.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint the request asks for, and the field it came from; FieldError (a 400
+        naming the field) for a bad or doubled one."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise FieldError("response_format of type json_schema needs json_schema.schema", "response_format")
+            given.append(("response_format", {"json": rf.json_schema.schema_, "strict": bool(rf.json_schema.strict)}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs))
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                given.append((name, {kind: getattr(self, name)}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise FieldError(f"give one output constraint, not {' and '.join(n for n, _ in given)}", given[1][0])
+        name, value = given[0]
+        try:
+            return StructuredOutputsParams.coerce(value), name
+        except (ValueError, TypeError) as e:
+            raise FieldError(f"{name}: {e}", name) from None
 
     def to_sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -66,6 +124,7 @@ class _SamplingBody(_Body):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
+            structured_outputs=self.structured()[0],
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
