@@ -96,12 +96,12 @@ class LLM:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
-                        add_generation_prompt: bool = True) -> str:
+                        add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """Render a conversation with the model's chat template (transformers renders it in a Jinja sandbox)."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model has no chat template; pass chat_template= or use generate() with plain text")
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -17,6 +17,7 @@ from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError, Reque
 from tokenmill.llm import apply_chat_template
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.app import APIError, ServerState
+from tokenmill.server import tools
 from tokenmill.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_body)
@@ -75,7 +76,7 @@ def _sampling(state, body, max_tokens, logprobs, prompt_logprobs=None):
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
-async def _compile_constraint(state: ServerState, body, params) -> None:
+async def _compile_constraint(state: ServerState, params, param: str | None) -> None:
     """Compile the request's output constraint (cached) off the event loop and off the engine thread, so
     a large schema holds up neither; a bad one is a 400 naming its field."""
     spec = params.structured_outputs
@@ -85,7 +86,7 @@ async def _compile_constraint(state: ServerState, body, params) -> None:
     try:
         await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile, spec)
     except ValueError as e:
-        raise APIError(400, str(e), param=body.structured()[1]) from None
+        raise APIError(400, str(e), param=param) from None
 
 
 async def _encode(state: ServerState, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
@@ -271,7 +272,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
             prompt_lps = max(prompt_lps or 0, body.logprobs)
         params = [_sampling(state, body, _max_tokens(state, requested, len(ids), "prompt"), body.logprobs, prompt_lps)
                   for _, ids in encoded]
-        await _compile_constraint(state, body, params[0])
+        await _compile_constraint(state, params[0], body.structured()[1])
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [engine.add(f"{rid}-{i}", ids, sp, text, reserved=True)
                    for i, ((text, ids), sp) in enumerate(zip(encoded, params))]
@@ -365,8 +366,16 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             raise APIError(400, "chat_template in a request is refused by this server (start it with "
                                 "--allow-request-chat-template to allow it)", param="chat_template")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = apply_chat_template(state.tokenizer, messages, body.chat_template, body.add_generation_prompt)
+            fns = tools.functions(body.tools)
+            mode, names = tools.chosen(body.tool_choice, fns)
+        except tools.ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        native = tools.template_handles_tools(body.chat_template or state.tokenizer.chat_template)
+        try:
+            messages = tools.render_messages([m.as_dict() for m in body.messages], fns, mode, native)
+            listed = [{"type": "function", "function": f} for f in fns.values()] if native and mode != "none" else None
+            prompt = apply_chat_template(state.tokenizer, messages, body.chat_template, body.add_generation_prompt,
+                                         tools=listed)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template error (sandbox violation, bad syntax, raise_exception)
@@ -375,7 +384,14 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
         requested = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling(state, body, _max_tokens(state, requested, len(ids), "messages"), top, body.prompt_logprobs)
-        await _compile_constraint(state, body, params)
+        calling = mode != "none" and bool(fns)
+        if calling:
+            if params.structured_outputs is not None and mode == "required":
+                raise APIError(400, "a required tool call and an output format cannot both constrain the output",
+                               param="tool_choice")
+            if params.structured_outputs is None:
+                params = params.clone(structured_outputs=tools.constraint(mode, names, fns, body.parallel_tool_calls))
+        await _compile_constraint(state, params, body.structured()[1] or "tools")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add(rid, ids, params, prompt, reserved=True)
     created = int(time.time())
@@ -402,6 +418,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             sent_text: dict[int, str] = {}
             sent_tokens: dict[int, int] = {}
             finished: set[int] = set()
+            parsers = {i: tools.StreamParser() for i in range(body.n)} if calling else {}
             final = None
             for i in range(body.n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -417,13 +434,26 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                     delta = c.text[len(prev):]
                     if delta or len(c.token_ids) > start:
                         sent_text[c.index], sent_tokens[c.index] = c.text, len(c.token_ids)
-                        if delta or body.logprobs:
+                        if calling:
+                            lp = logprob_entries(c, start)
+                            for d in parsers[c.index].feed(c.text, final=c.finish_reason is not None):
+                                yield chunk([{"index": c.index, "delta": d, "logprobs": lp, "finish_reason": None}],
+                                            usage)
+                                lp = None
+                        elif delta or body.logprobs:
                             yield chunk([{"index": c.index, "delta": {"content": delta},
                                           "logprobs": logprob_entries(c, start), "finish_reason": None}], usage)
                     if c.finish_reason is not None and c.index not in finished:
                         finished.add(c.index)
+                        reason = c.finish_reason
+                        if calling:
+                            for d in parsers[c.index].feed(c.text, final=True):
+                                yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}],
+                                            usage)
+                            if parsers[c.index].calls:
+                                reason = "tool_calls"
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], usage)
+                                      "finish_reason": reason, "stop_reason": c.stop_reason}], usage)
             if include_usage and final is not None:
                 yield chunk([], _usage_of([final]))
 
@@ -435,9 +465,19 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                 return out
 
     out = await _run(request, collect())
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprob_entries(c, 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for c in out.outputs]
+
+    def message(c) -> tuple[dict, str]:
+        if calling:
+            content, calls = tools.parse(c.text)
+            if calls:
+                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+
+    choices = []
+    for c in out.outputs:
+        msg, reason = message(c)
+        choices.append({"index": c.index, "message": msg, "logprobs": logprob_entries(c, 0), "finish_reason": reason,
+                        "stop_reason": c.stop_reason})
     response = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                 "choices": choices, "usage": _usage_of([out])}
     if body.prompt_logprobs is not None:

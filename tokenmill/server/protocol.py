@@ -140,6 +140,21 @@ class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool result's call
+
+    def as_dict(self) -> dict:
+        m = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            for c in self.tool_calls:
+                if not isinstance(c.get("function"), dict) or not isinstance(c["function"].get("name"), str):
+                    raise ValueError("each tool_calls entry needs function.name and function.arguments")
+            m["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            m["name"] = self.name
+        return m
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text is understood
@@ -159,6 +174,9 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     chat_template: Optional[str] = None
     add_generation_prompt: bool = True
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Body):
