@@ -24,17 +24,30 @@ TIME = {"type": "function", "function": {
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
-def test_parse_and_stream_agree():
-    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"centre\\"", '
-            '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n'
-            '</tool_call>')
-    content, calls = tools.parse(text)
+WRITTEN = {
+    "hermes": ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"centre\\"", '
+               '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n'
+               '</tool_call>'),
+    "llama3_json": ('Let me check. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris \\"centre\\"", '
+                    '"unit": "celsius"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'),
+    "mistral": ('Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris \\"centre\\"", '
+                '"unit": "celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]'),
+}
+
+
+@pytest.mark.parametrize("fmt", list(WRITTEN))
+def test_parse_and_stream_agree(fmt):
+    text = WRITTEN[fmt]
+    fmt = tools.FORMATS[fmt]
+    if fmt.name == "llama3_json":  # content ends where the first call's JSON starts
+        text = text.replace("<|python_tag|>", "")
+    content, calls = tools.parse(text, fmt)
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": 'Paris "centre"', "unit": "celsius"}
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     for step in (1, 3, 7, len(text)):  # fed a few characters at a time, as tokens arrive
-        parser, deltas = tools.StreamParser(), []
+        parser, deltas = tools.StreamParser(fmt), []
         for end in range(step, len(text) + step, step):
             deltas += parser.feed(text[:end], final=end >= len(text))
         assert "".join(d.get("content", "") for d in deltas) == "Let me check. "
@@ -49,6 +62,32 @@ def test_parse_and_stream_agree():
         assert [(e["name"], e["arguments"]) for e in streamed.values()] == \
             [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     assert tools.parse("no calls <tool_call>{broken") == ("no calls <tool_call>{broken", [])
+    assert tools.format_for("... [TOOL_CALLS] ...").name == "mistral"
+    assert tools.format_for("{{ '<|python_tag|>' }}").name == "llama3_json"
+    assert tools.format_for(None).name == "hermes" and tools.format_for(None, "mistral").name == "mistral"
+
+
+@pytest.mark.slow
+def test_every_format_gives_valid_calls_from_the_default_model(default_gguf):
+    """The fallback prompt and the constraint of each format, offline: required and named calls parse
+    back into calls whose arguments follow the schemas."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(default_gguf)
+    fns = tools.functions([WEATHER, TIME])
+    for fmt in tools.FORMATS.values():
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            mode, names = tools.chosen(choice, fns)
+            messages = tools.render_messages(ASK, fns, mode, native=False, fmt=fmt)
+            spec = tools.constraint(mode, names, fns, parallel=True, fmt=fmt)
+            out = llm.chat(messages, SamplingParams(temperature=0.8, seed=1, max_tokens=120,
+                                                    structured_outputs=spec))[0].outputs[0]
+            assert out.finish_reason == "stop", (fmt.name, out.text)
+            content, calls = tools.parse(out.text, fmt)
+            assert calls and content is None, (fmt.name, out.text)
+            for c in calls:
+                assert c["function"]["name"] in names
+                jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
 
 
 def test_choices_and_bad_tools():

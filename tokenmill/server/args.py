@@ -22,4 +22,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="largest max_tokens a request may ask for (default: the context length)")
     g.add_argument("--allow-request-chat-template", action="store_true",
                    help="accept a chat_template sent in a request (rendered in a sandbox)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (default: from its chat template, else hermes)")
     g.add_argument("--log-level", default="info", help="debug | info | warning | error")

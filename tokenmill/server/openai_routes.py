@@ -370,9 +370,11 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             mode, names = tools.chosen(body.tool_choice, fns)
         except tools.ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
-        native = tools.template_handles_tools(body.chat_template or state.tokenizer.chat_template)
+        template = body.chat_template or state.tokenizer.chat_template
+        native = tools.template_handles_tools(template)
+        fmt = tools.format_for(template, getattr(state.args, "tool_call_parser", None))
         try:
-            messages = tools.render_messages([m.as_dict() for m in body.messages], fns, mode, native)
+            messages = tools.render_messages([m.as_dict() for m in body.messages], fns, mode, native, fmt)
             listed = [{"type": "function", "function": f} for f in fns.values()] if native and mode != "none" else None
             prompt = apply_chat_template(state.tokenizer, messages, body.chat_template, body.add_generation_prompt,
                                          tools=listed)
@@ -390,7 +392,8 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                 raise APIError(400, "a required tool call and an output format cannot both constrain the output",
                                param="tool_choice")
             if params.structured_outputs is None:
-                params = params.clone(structured_outputs=tools.constraint(mode, names, fns, body.parallel_tool_calls))
+                params = params.clone(structured_outputs=tools.constraint(mode, names, fns, body.parallel_tool_calls,
+                                                                          fmt))
         await _compile_constraint(state, params, body.structured()[1] or "tools")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add(rid, ids, params, prompt, reserved=True)
@@ -418,7 +421,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             sent_text: dict[int, str] = {}
             sent_tokens: dict[int, int] = {}
             finished: set[int] = set()
-            parsers = {i: tools.StreamParser() for i in range(body.n)} if calling else {}
+            parsers = {i: tools.StreamParser(fmt) for i in range(body.n)} if calling else {}
             final = None
             for i in range(body.n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -468,7 +471,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
 
     def message(c) -> tuple[dict, str]:
         if calling:
-            content, calls = tools.parse(c.text)
+            content, calls = tools.parse(c.text, fmt)
             if calls:
                 return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         return {"role": "assistant", "content": c.text}, c.finish_reason
