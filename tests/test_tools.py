@@ -201,3 +201,31 @@ def test_openai_client_and_langchain(server):
     for method in ("json_schema", "function_calling"):
         result = llm.with_structured_output(Weather, method=method).invoke("Weather in Rome, in celsius?")
         assert isinstance(result, Weather), method
+
+
+def test_a_template_that_knows_tools_renders_them_itself(tiny_models):
+    """Natively: the template gets the tools and earlier calls (arguments as objects), and no fallback
+    prompt is added."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.llm import apply_chat_template
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+                "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments.city }}]"
+                "{% endfor %}\n{% endfor %}")
+    assert tools.template_handles_tools(template) and not tools.template_handles_tools("{{ messages }}")
+    fns = tools.functions([WEATHER, TIME])
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+    messages = tools.render_messages(history, fns, "auto", native=True)
+    text = apply_chat_template(tok, messages, template, tools=[{"type": "function", "function": f}
+                                                                  for f in fns.values()])
+    assert text.startswith("TOOLS:get_weather;get_time;") and "user: What is the weather in Paris?" in text
+    assert "[call get_weather Oslo]" in text and "tool: cold" in text and "<tools>" not in text
+    fallback = tools.render_messages(history, fns, "auto", native=False)
+    assert fallback[0]["role"] == "system" and '"get_time"' in fallback[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in fallback[2]["content"]
+    assert fallback[3] == {"role": "user", "content": "<tool_response>\ncold\n</tool_response>"}
