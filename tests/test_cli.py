@@ -97,10 +97,12 @@ def test_chat_commands_change_the_settings(tiny_models):
     llm = LLM(folder, dtype="float32")
     ref = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=3))[0]
     proc = run_cli("chat", folder, "--dtype", "float32", "--max-tokens", "30", "--temperature", "0.9",
-                   stdin="/set temperature 0\n/set max_tokens 3\n/set top_q 1\n/show\n/stats\nhello\n/bogus\n/exit\n")
+                   stdin="/set max_tokens 100000\nhello\n/set temperature 0\n/set max_tokens 3\n/set top_q 1\n/show\n"
+                         "/stats\nhello\n/bogus\n/exit\n")
     assert proc.returncode == 0, proc.stderr
     assert "(temperature = 0.0)" in proc.stderr and "(max_tokens = 3)" in proc.stderr
     assert "usage: /set NAME VALUE" in proc.stderr and "unknown command /bogus" in proc.stderr
+    assert "error: This model's maximum context length is 512 tokens" in proc.stderr  # and the chat went on
     assert "temperature=0.0, top_p=" in proc.stderr
     assert re.search(r"stats on; KV cache: 0 of \d+ blocks in use", proc.stderr)
     assert ref.outputs[0].text in proc.stdout

@@ -43,6 +43,10 @@ def test_timeline_buckets_seconds_and_percentiles():
     assert pts[1002]["prefix_cache_hit_rate"] == 0.75  # 75 of the 100 tokens looked up since the last sample
     assert snap["gauges"]["prefix_cache_hits"] == 75
     assert [p["t"] for p in tl.snapshot(since=1001, now=1003.5)["points"]] == [1002]
+    # the engine thread's clock read just before the server's: its step lands in the newest second
+    tl.snapshot(now=1005.001)
+    tl.record(1004.999, tokens=4, finished=1)
+    assert sum(p["tokens_per_s"] for p in tl.snapshot(now=1007.0)["points"]) == 12 + 3 + 4
     assert percentiles([]) is None
     assert percentiles([i / 1000 for i in range(1, 101)]) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
 

@@ -96,6 +96,9 @@ def test_regex_choice_grammar_and_json_object(tiny_models):
     # the older name; greedy requests with a constraint decode too; ignore_eos cannot run past the end
     old = run(None, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]), ignore_eos=True)
     assert old.text in ("yes", "no") and old.finish_reason == "stop"
+    # min_tokens does not hold back the end a grammar reaches
+    short = run({"choice": ["yes", "no"]}, min_tokens=5)
+    assert short.text in ("yes", "no") and short.finish_reason == "stop"
 
 
 def test_every_sampled_token_keeps_an_independent_matcher_accepting(tiny_models):

@@ -62,6 +62,10 @@ def test_parse_and_stream_agree(fmt):
         assert [(e["name"], e["arguments"]) for e in streamed.values()] == \
             [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     assert tools.parse("no calls <tool_call>{broken") == ("no calls <tool_call>{broken", [])
+    # a call that never closes: what follows it still reaches the client
+    parser = tools.StreamParser()
+    sent = parser.feed('<tool_call>\n{"name": "f", "arguments": {"a": 1}, "b": 2}</tool_call> tail', final=True)
+    assert sent[-1] == {"content": ', "b": 2}</tool_call> tail'}
     assert tools.format_for("... [TOOL_CALLS] ...").name == "mistral"
     assert tools.format_for("{{ '<|python_tag|>' }}").name == "llama3_json"
     assert tools.format_for(None).name == "hermes" and tools.format_for(None, "mistral").name == "mistral"
@@ -99,6 +103,8 @@ def test_choices_and_bad_tools():
         tools.chosen({"type": "function", "function": {"name": "nope"}}, fns)
     with pytest.raises(tools.ToolError, match="needs tools"):
         tools.chosen("required", {})
+    with pytest.raises(tools.ToolError, match="not among the tools"):
+        tools.chosen({"type": "function", "function": "get_time"}, fns)
     with pytest.raises(tools.ToolError, match=r"tools\[0\]"):
         tools.functions([{"type": "function", "function": {"description": "no name"}}])
 
@@ -169,7 +175,13 @@ def test_tool_results_round_trip_and_errors(server):
     assert "tool_calls" not in r.json()["choices"][0]["message"]
     for extra, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
                          ({"tools": [{"type": "function", "function": {}}]}, "tools"),
-                         ({"tool_choice": "required", "tools": None}, "tool_choice")):
+                         ({"tool_choice": "required", "tools": None}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+                         ({"tools": [{"type": "function", "function": {
+                             "name": f"f{i}", "description": "x" * 300, "parameters": {
+                                 "type": "object", "properties": {f"p{j}": {"type": "string", "description": "y" * 40}
+                                                                  for j in range(30)}}}} for i in range(30)],
+                           "tool_choice": "required"}, "tools")):
         r = _post(server, messages=ASK, **{"tools": [WEATHER], **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -297,6 +297,10 @@ def cmd_chat(args) -> int:
                 answer, stats = stream(llm, prompt, state["params"])
             except KeyboardInterrupt:  # before the reply started: nothing was queued
                 answer, stats = "", ReplyStats(interrupted=True)
+            except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep the chat
+                print(f"error: {e}", file=sys.stderr)
+                state["messages"].pop()
+                continue
             print()
             if stats.interrupted:
                 print("[interrupted]", file=sys.stderr)

@@ -206,7 +206,10 @@ class AsyncEngine:
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs (each step of a burst as soon as it is done): to their streams and the metrics."""
         self._deliver(outputs)
-        if self.on_step is not None:
+        self._emit_stats(outputs)
+
+    def _emit_stats(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None and outputs:
             try:
                 self.on_step(outputs, time.time())
             except Exception:  # statistics must never stop the engine
@@ -267,9 +270,7 @@ class AsyncEngine:
             finally:  # only now: until the scheduler counts them, these places stay taken
                 self._count_pending(-params.n)
         elif kind == "abort":
-            for out in self.engine.abort_request(cmd[1]):
-                if self.on_step is not None:
-                    self.on_step([out], time.time())
+            self._emit_stats(self.engine.abort_request(cmd[1]))
         elif kind == "call":
             try:
                 cmd[1](self.engine)

@@ -45,7 +45,7 @@ def apply_bias_and_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None
         if sp.logit_bias:
             ids = torch.tensor(list(sp.logit_bias.keys()), device=logits.device)
             logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), device=logits.device)
-        if r.num_output_tokens < sp.min_tokens:
+        if r.num_output_tokens < sp.min_tokens and r.grammar is None:  # a grammar decides where output ends
             banned = sp.ending_token_ids
             if banned:
                 logits[i, torch.tensor(banned, device=logits.device)] = _NEG_INF
@@ -226,7 +226,7 @@ class Sampler:
                 mass[rows_exact] = 1.0 / p_top  # the top token's weight is 1
         probs = weights / mass.clamp_min(1e-30).unsqueeze(1)
         before = probs.cumsum(dim=1) - probs
-        keep = before < top_p
+        keep = (before < top_p) | (top_p >= 1)
         keep[:, 0] = True
         keep &= probs >= min_p * probs[:, :1]
         # A token past the ranked ones would be kept if the nucleus has not closed within them and its

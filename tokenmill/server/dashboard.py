@@ -56,12 +56,15 @@ class Timeline:
         self.started = clock()
 
     def _second(self, now: float) -> _Second:
+        """The bucket of `now`'s second. A time a little behind the newest bucket (the engine thread's
+        clock read just before the server's, or the clock stepped back) goes into the newest one."""
         t = int(now)
         if not self._seconds or self._seconds[-1].t < t:
             self._seconds.append(_Second(t))
             while self._seconds and self._seconds[0].t <= t - WINDOW_SECONDS:
                 self._seconds.popleft()
-        return self._seconds[-1] if self._seconds[-1].t == t else next(s for s in self._seconds if s.t == t)
+            return self._seconds[-1]
+        return next((s for s in reversed(self._seconds) if s.t == t), self._seconds[-1])
 
     def record(self, now: float, tokens: int = 0, ttft: list[float] = (), itl: list[float] = (),
                finished: int = 0) -> None:

@@ -370,9 +370,14 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             mode, names = tools.chosen(body.tool_choice, fns)
         except tools.ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
-        template = body.chat_template or state.tokenizer.chat_template
-        native = tools.template_handles_tools(template)
-        fmt = tools.format_for(template, getattr(state.args, "tool_call_parser", None))
+        fmt = tools.format_for(body.chat_template or state.tokenizer.chat_template,
+                               getattr(state.args, "tool_call_parser", None))
+        calling = mode != "none" and bool(fns)
+        try:
+            tool_spec = tools.constraint(mode, names, fns, body.parallel_tool_calls, fmt) if calling else None
+        except ValueError as e:
+            raise APIError(400, f"the tools' schemas: {e}", param="tools") from None
+        native = tools.template_handles_tools(body.chat_template or state.tokenizer.chat_template)
         try:
             messages = tools.render_messages([m.as_dict() for m in body.messages], fns, mode, native, fmt)
             listed = [{"type": "function", "function": f} for f in fns.values()] if native and mode != "none" else None
@@ -386,14 +391,12 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
         requested = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling(state, body, _max_tokens(state, requested, len(ids), "messages"), top, body.prompt_logprobs)
-        calling = mode != "none" and bool(fns)
         if calling:
             if params.structured_outputs is not None and mode == "required":
                 raise APIError(400, "a required tool call and an output format cannot both constrain the output",
                                param="tool_choice")
             if params.structured_outputs is None:
-                params = params.clone(structured_outputs=tools.constraint(mode, names, fns, body.parallel_tool_calls,
-                                                                          fmt))
+                params = params.clone(structured_outputs=tool_spec)
         await _compile_constraint(state, params, body.structured()[1] or "tools")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add(rid, ids, params, prompt, reserved=True)
@@ -422,6 +425,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             sent_tokens: dict[int, int] = {}
             finished: set[int] = set()
             parsers = {i: tools.StreamParser(fmt) for i in range(body.n)} if calling else {}
+            pending_from: dict[int, int] = {}  # first token whose logprobs have not gone out (tools)
             final = None
             for i in range(body.n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -438,8 +442,12 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                     if delta or len(c.token_ids) > start:
                         sent_text[c.index], sent_tokens[c.index] = c.text, len(c.token_ids)
                         if calling:
-                            lp = logprob_entries(c, start)
-                            for d in parsers[c.index].feed(c.text, final=c.finish_reason is not None):
+                            lp = logprob_entries(c, pending_from.get(c.index, start))
+                            deltas = parsers[c.index].feed(c.text, final=c.finish_reason is not None)
+                            if not deltas:  # text held back: its logprobs go with the next piece
+                                pending_from.setdefault(c.index, start)
+                            for d in deltas:
+                                pending_from.pop(c.index, None)
                                 yield chunk([{"index": c.index, "delta": d, "logprobs": lp, "finish_reason": None}],
                                             usage)
                                 lp = None

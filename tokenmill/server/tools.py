@@ -120,7 +120,8 @@ def chosen(tool_choice, fns: dict[str, dict]) -> tuple[str, list[str]]:
             raise ToolError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
         return tool_choice, list(fns)
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if name not in fns:
             raise ToolError(f"tool_choice names function {name!r}, which is not among the tools "
                             f"({', '.join(fns) or 'none given'})", "tool_choice")
@@ -222,14 +223,22 @@ def parse(text: str, fmt: ToolFormat = FORMATS["hermes"]) -> tuple[str | None, l
             continue
         try:
             json.loads(args)
-            name = json.loads(f'"{head.group("name")}"')
         except json.JSONDecodeError:
             continue
+        name = _name(head.group("name"))
         calls.append({"id": _new_id(), "type": "function", "function": {"name": name, "arguments": args}})
         pos = closing.end()
     if not calls:
         return text, []
     return text[:first].strip() or None, calls
+
+
+def _name(written: str) -> str:
+    """A function name as written inside JSON quotes (escapes decoded where they are valid)."""
+    try:
+        return json.loads(f'"{written}"')
+    except json.JSONDecodeError:
+        return written
 
 
 def _json_end(text: str) -> int | None:
@@ -294,7 +303,7 @@ class StreamParser:
                         deltas.append({"content": text[self.sent:]})
                         self.sent = len(text)
                     return deltas
-                name = json.loads(f'"{head.group("name")}"')
+                name = _name(head.group("name"))
                 deltas.append({"tool_calls": [{"index": self.calls, "id": _new_id(), "type": "function",
                                                "function": {"name": name, "arguments": ""}}]})
                 self.in_args, self.args_start, self.args_sent = True, head.end(), head.end()
@@ -305,10 +314,11 @@ class StreamParser:
                 deltas.append({"tool_calls": [{"index": self.calls,
                                                "function": {"arguments": text[self.args_sent:stop]}}]})
                 self.args_sent = stop
-            if end is None:
-                return deltas
-            closing = self.fmt.close.match(text, stop)
+            closing = self.fmt.close.match(text, stop) if end is not None else None
             if closing is None:
+                if final and text[stop:]:  # what follows a call that never closed is content, not lost
+                    deltas.append({"content": text[stop:]})
+                    self.sent = len(text)
                 return deltas
             self.sent, self.in_args = closing.end(), False
             self.calls += 1
