@@ -6,6 +6,9 @@ both; the figure is the ratio of the medians. With --screenshot PATH, the page i
 while the load runs (docs/dashboard.png).
 
     python benchmarks/dashboard_overhead.py [--model M] [--rounds 4] [--screenshot docs/dashboard.png]
+
+With --browser-cpu, instead: the CPU time the browser's process tree spends showing the page for 30 s
+while 4 chats run back to back, and the round trip of /dashboard/stats meanwhile (needs psutil).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 
 import httpx
@@ -54,6 +58,57 @@ def browser():
     return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
 
 
+def browser_cpu(url: str, seconds: float = 30.0) -> None:
+    import psutil
+
+    stop = threading.Event()
+
+    def chats():
+        while not stop.is_set():
+            httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32})
+
+    workers = [threading.Thread(target=chats) for _ in range(4)]
+    for w in workers:
+        w.start()
+    page = None
+    try:
+        time.sleep(20)
+        page = browser()
+        page.get(url + "/dashboard")
+        time.sleep(5)
+        tree = psutil.Process(page.service.process.pid)
+
+        def cpu_seconds():
+            total = 0.0
+            for p in [tree] + tree.children(recursive=True):
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+            return total
+
+        c0, t0 = cpu_seconds(), time.time()
+        time.sleep(seconds)
+        share = (cpu_seconds() - c0) / (time.time() - t0)
+        print(f"browser showing the page: {share * 100:.2f}% of one CPU over {seconds:.0f} s under load")
+        trips = []
+        for _ in range(20):
+            start = time.perf_counter()
+            httpx.get(url + f"/dashboard/stats?since={int(time.time()) - 3}", timeout=30)
+            trips.append(time.perf_counter() - start)
+        full = httpx.get(url + "/dashboard/stats", timeout=30)
+        print(f"/dashboard/stats?since round trip median {statistics.median(trips) * 1000:.1f} ms; "
+              f"a fresh page's five minutes: {len(full.content)} bytes")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        if page is not None:
+            page.quit()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="default: the built-in default model")
@@ -62,10 +117,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--screenshot", default=None)
+    ap.add_argument("--browser-cpu", action="store_true")
     args = ap.parse_args()
     from tokenmill.model.hub import pull
 
     server = ServerProcess(args.model or pull())
+    if args.browser_cpu:
+        try:
+            browser_cpu(server.url)
+        finally:
+            server.stop()
+        return
     page = None
     results = {"closed": [], "open": []}
     try:

@@ -208,29 +208,23 @@ def read_message(read=input) -> str | None:
         return None
 
 
+@contextlib.contextmanager
 def _history(path: str):
     """Input history (arrow keys, Ctrl-R) kept across chats, where readline exists."""
     try:
         import readline
     except ImportError:  # not on every platform
-        return contextlib.nullcontext()
-    try:
+        yield
+        return
+    with contextlib.suppress(OSError):
         readline.read_history_file(path)
-    except OSError:
-        pass
     readline.set_history_length(1000)
-
-    @contextlib.contextmanager
-    def saved():
-        try:
-            yield
-        finally:
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                readline.write_history_file(path)
-            except OSError:
-                pass
-    return saved()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            readline.write_history_file(path)
 
 
 def chat_command(line: str, state: dict, llm) -> str | None:
