@@ -19,12 +19,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str, env: dict | None = None, ready_timeout: float = 120.0) -> None:
+    def __init__(self, model: str, *args: str, env: dict | None = None, ready_timeout: float = 120.0,
+                 log_path: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "warning", *args]
-        self.log = open(os.devnull, "w") if not os.environ.get("TOKENMILL_TEST_SERVER_LOGS") else None
+        if log_path is not None:  # the test reads what the server logged
+            self.log = open(log_path, "w")
+        else:
+            self.log = open(os.devnull, "w") if not os.environ.get("TOKENMILL_TEST_SERVER_LOGS") else None
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
         self.wait_ready(ready_timeout)
 

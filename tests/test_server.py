@@ -385,6 +385,42 @@ def test_limits_sequences_and_chunked_bodies(tiny_models):
         assert srv.stop() == 0
 
 
+def _read_all(sock: socket.socket, timeout: float = 15) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_connection_cap_and_slow_headers(tiny_models):
+    """Connections past --max-connections get a 503 and are closed at once; connections whose request
+    headers do not arrive (idle, or a slowloris sending half its headers) get a 408 after the read timeout
+    and are closed, so that neither can hold the server's file descriptors."""
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--max-connections", "3",
+                        "--body-read-timeout", "2")
+    try:
+        held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
+        held[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # half its headers, then nothing
+        opened = time.monotonic()
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", srv.port)) as extra:
+            answer = _read_all(extra)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many open connections" in answer, answer
+        assert time.monotonic() - opened < 1.5
+        for sock in held:
+            answer = _read_all(sock)
+            assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive" in answer, answer
+            sock.close()
+        assert 1.8 < time.monotonic() - opened < 6
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'tokenmill:connections_refused_total{model_name="llama",reason="max_connections"} 1.0' in text, text
+        assert 'tokenmill:connections_refused_total{model_name="llama",reason="header_timeout"} 3.0' in text, text
+    finally:
+        assert srv.stop() == 0
+
+
 def test_prefix_cache_reported(server):
     long_prompt = " ".join(PROMPTS) * 2
     body = {"prompt": long_prompt, "max_tokens": 2, "temperature": 0}
@@ -438,27 +474,47 @@ def srv_name(srv) -> str:
     return httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"]
 
 
-def test_sigterm_with_requests_in_flight_exits_zero(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--shutdown-timeout", "2")
-    results = []
+def test_sigterm_cuts_off_requests_in_their_response_shapes(default_gguf, tmp_path):
+    """At SIGTERM, requests still running when --shutdown-timeout ends get an error in the shape the API
+    promises: a 503 JSON body for a whole answer, an SSE error event and [DONE] for a stream. No traceback
+    is logged and the process exits 0."""
+    log = tmp_path / "server.log"
+    srv = ServerProcess(default_gguf, "--shutdown-timeout", "2", log_path=str(log))
+    url = srv.url + "/v1/completions"
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    results = {}
 
-    def long_request():
-        try:
-            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 500, "ignore_eos": True},
-                           timeout=30)
-            results.append(r.status_code)
-        except httpx.HTTPError as e:
-            results.append(type(e).__name__)
+    def whole():
+        r = httpx.post(url, json=body, timeout=60)
+        results["whole"] = (r.status_code, r.json())
 
-    t = threading.Thread(target=long_request)
-    t.start()
-    srv.wait_metric("tokenmill:num_requests_running", lambda v: v == 1)
+    def streamed():
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            results["stream"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    srv.wait_metric("tokenmill:num_requests_running", lambda v: v == 2, timeout=30)
+    srv.wait_metric("tokenmill:generation_tokens_total", lambda v: v >= 10, timeout=30)
     start = time.monotonic()
-    code = srv.stop(signal.SIGTERM, timeout=20)
-    assert code == 0
-    assert time.monotonic() - start < 10
-    t.join(10)
-    assert results  # the client got an answer or a closed connection, not a hang
+    assert srv.stop(signal.SIGTERM, timeout=30) == 0
+    took = time.monotonic() - start
+    for t in threads:
+        t.join(10)
+    assert 1.5 < took < 6, took  # the drain timeout, not uvicorn's cancellation after it
+
+    status, answer = results["whole"]
+    assert status == 503 and answer["error"]["type"] == "server_shutdown", answer
+    status, lines = results["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2][len("data: "):])
+    assert error["error"]["type"] == "server_shutdown" and error["error"]["code"] == 503, error
+    tokens = [json.loads(line[6:]) for line in lines[:-2]]
+    assert len(tokens) >= 5 and all(chunk["choices"] for chunk in tokens)  # it streamed until the cut
+    logged = log.read_text()
+    assert "Traceback" not in logged and "CancelledError" not in logged, logged
+    assert "stopped 2 request(s) still in flight" in logged, logged
 
 
 def test_engine_death_fails_fast_and_exits_nonzero(tiny_models):

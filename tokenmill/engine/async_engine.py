@@ -30,6 +30,10 @@ class RequestFailedError(RuntimeError):
     """This request failed alone (the engine and the other requests go on)."""
 
 
+class RequestCutOffError(RequestFailedError):
+    """The server stopped this request before it finished (shutdown after the drain timeout)."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -158,6 +162,15 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def cut_off(self, message: str) -> int:
+        """End every request still in flight: each reader gets RequestCutOffError(message) and the engine
+        drops the request. Returns how many were cut."""
+        streams = list(self._streams.items())
+        for request_id, stream in streams:
+            stream.put(RequestCutOffError(message))
+            self.abort(request_id)
+        return len(streams)
 
     def call(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run fn(engine) on the engine thread between steps."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -46,6 +47,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.exit_code = 0
         self.server = None  # the uvicorn.Server, to stop it from inside
+        self.draining = False  # set at SIGTERM: new requests get 503, those in flight may finish
         self._token_text: TokenText | None = None
         self.started = time.time()
 
@@ -72,6 +74,15 @@ class ServerState:
         self.exit_code = code
         if self.server is not None:
             self.server.should_exit = True
+
+    def cut_off(self) -> None:
+        """The drain timeout has passed: end the requests still in flight with a shutdown error (a 503
+        JSON body, or an SSE error event and [DONE]) rather than let the server cancel their handlers."""
+        if self.engine is not None:
+            cut = self.engine.cut_off("the server is shutting down; the request was stopped before it finished")
+            if cut:
+                logger.warning("shutdown timeout (%g s) reached: stopped %d request(s) still in flight",
+                               self.args.shutdown_timeout, cut)
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -148,6 +159,58 @@ class BodyLimits:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+def _guarded_protocol(state: ServerState, max_connections: int, header_timeout: float):
+    """uvicorn's HTTP protocol (httptools where installed, else h11) with two guards for the file
+    descriptors: connections past max_connections get a 503 and are closed at once, and a connection whose
+    first request headers have not arrived within header_timeout seconds gets a 408 and is closed (the
+    body has its own timeout in BodyLimits)."""
+    try:
+        import httptools  # noqa: F401
+
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    def refuse(transport, status: int, reason: str, message: str) -> None:
+        state.metrics.refused_connections.labels(state.model_name, reason).inc()
+        transport.write(_json_response(status, error_body(message, "server_busy" if status == 503 else
+                                                          "invalid_request_error", status), close=True))
+        transport.close()
+
+    class GuardedProtocol(Base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._headers_timer = None
+            if len(self.connections) > max_connections:
+                refuse(transport, 503, "max_connections",
+                       f"too many open connections (at most {max_connections}); retry shortly")
+                return
+            self._headers_timer = self.loop.call_later(header_timeout, self._headers_overdue)
+
+        def _headers_overdue(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                refuse(self.transport, 408, "header_timeout",
+                       f"the request headers did not arrive within {header_timeout:g} s")
+
+        def connection_lost(self, exc) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+            super().connection_lost(exc)
+
+    return GuardedProtocol
+
+
+def _json_response(status: int, body: dict, close: bool) -> bytes:
+    """A whole HTTP/1.1 response with a JSON body, for the transport-level guards."""
+    import json
+    from http import HTTPStatus
+
+    data = json.dumps(body).encode()
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\n" + ("connection: close\r\n" if close else "") + "\r\n")
+    return head.encode() + data
 
 
 async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
@@ -334,6 +397,9 @@ def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
     return info
 
 
+_CUT_OFF_GRACE_S = 5.0  # after the cut-off, for the cut requests' error responses to go out
+
+
 def _graceful_server_class():
     import contextlib
     import signal
@@ -341,7 +407,22 @@ def _graceful_server_class():
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
-        """uvicorn re-raises SIGTERM after its graceful shutdown (so the process dies of it); we exit 0 instead."""
+        """A shutdown that drains: at SIGTERM new requests get 503 and those in flight may finish for
+        --shutdown-timeout seconds; then they end with a shutdown error in their own response shape.
+        uvicorn cancels whatever is left _CUT_OFF_GRACE_S later. uvicorn re-raises SIGTERM after its
+        graceful shutdown (so the process dies of it); we exit 0 instead."""
+
+        def __init__(self, config, state: ServerState) -> None:
+            super().__init__(config)
+            self.state = state
+
+        async def shutdown(self, sockets=None) -> None:
+            self.state.draining = True
+            timer = asyncio.get_running_loop().call_later(self.state.args.shutdown_timeout, self.state.cut_off)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -358,6 +439,22 @@ def _graceful_server_class():
     return GracefulServer
 
 
+def _raise_open_files_limit(connections: int) -> None:
+    """Lift the soft limit on open files towards the hard one, so that --max-connections, not the
+    process's file limit, is what refuses connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + 256  # model files, the tokenizer, logs, the engine's own
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            logger.warning("open files are limited to %d: fewer than --max-connections %d can be held", new,
+                           connections)
+
+
 def run_server(args) -> int:
     """Run `tokenmill serve` until SIGTERM / Ctrl-C (exit 0) or an engine failure (exit 1)."""
     import uvicorn
@@ -370,8 +467,11 @@ def run_server(args) -> int:
     state = ServerState(args, engine_kwargs(args))
     app = BodyLimits(build_app(state), args.max_body_bytes, args.body_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout + 0.999)), access_log=False)
-    server = _graceful_server_class()(config)
+                            http=_guarded_protocol(state, args.max_connections, args.body_read_timeout),
+                            timeout_graceful_shutdown=int(args.shutdown_timeout + _CUT_OFF_GRACE_S + 0.999),
+                            access_log=False)
+    _raise_open_files_limit(args.max_connections)
+    server = _graceful_server_class()(config, state)
     state.server = server
     logger.info("tokenmill %s listening on http://%s:%d (model loading)", __version__, args.host, args.port)
     try:

@@ -17,7 +17,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (default 4 MiB)")
     g.add_argument("--body-read-timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive before a 408 (default 30)")
+                   help="seconds a request's headers, and then its body, may take to arrive before a 408 "
+                        "(default 30)")
+    g.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections beyond which new ones get 503 and are closed (default 1024)")
     g.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context length)")
     g.add_argument("--allow-request-chat-template", action="store_true",

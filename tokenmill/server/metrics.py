@@ -36,6 +36,9 @@ class ServerMetrics:
         self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.preemptions = counter("num_preemptions", "Requests preempted (blocks freed, recomputed later).")
         self.rejected = counter("requests_rejected", "Requests refused because the queue was full.")
+        self.refused_connections = counter("connections_refused", "Connections refused at --max-connections, "
+                                           "or closed because their request headers did not arrive in time.",
+                                           ["reason"])
         self.aborted = counter("requests_aborted", "Requests aborted (client gone, shutdown or error).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")

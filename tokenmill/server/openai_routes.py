@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from tokenmill.engine.async_engine import AsyncEngine, RequestCutOffError, RequestFailedError, RequestStream
 from tokenmill.llm import apply_chat_template
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.app import APIError, ServerState
@@ -30,6 +30,8 @@ def _admit(state: ServerState, model: str | None, sequences: int = 1) -> AsyncEn
     """Checks before any work: engine ready, model known, and places in the queue for the request's
     sequences (prompts x n), held until the request is added (or released if it fails before)."""
     engine = state.ready_engine()
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "server_shutdown")
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model")
     limit = state.args.max_queued_requests
@@ -208,6 +210,8 @@ def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def _stream_error(e: Exception) -> dict:
+    if isinstance(e, RequestCutOffError):
+        return error_body(str(e), "server_shutdown", 503)
     if isinstance(e, APIError):
         return error_body(e.message, e.type, e.status, e.param)
     if isinstance(e, ValueError):
@@ -220,6 +224,8 @@ async def _run(request: Request, coro):
         result = await coro
     except ValueError as e:
         raise APIError(400, str(e)) from None
+    except RequestCutOffError as e:
+        raise APIError(503, str(e), "server_shutdown") from None
     except RequestFailedError as e:
         raise APIError(500, f"the request failed: {e}", "server_error") from None
     if result is None:  # the client left; nobody reads this answer
