@@ -1,8 +1,10 @@
-"""Sharing the CPU: the thread count follows the CPUs the process may use, and a decode team that lags
-behind a core another process holds goes on with one thread."""
+"""Sharing the CPU: the thread count follows the CPUs the process may use, and a team of threads that lags
+behind a core another process holds goes on with one thread (the decode team's barrier clock, and the
+engine's step governor for every step)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,7 +63,9 @@ def test_a_team_lagging_behind_a_busy_core_goes_on_with_one_thread(tiny_models):
     params = SamplingParams(max_tokens=200, temperature=0.8, seed=0, ignore_eos=True)
     llm.generate([[1, 2, 3]], params, use_tqdm=False)
     fused = llm.engine.model._fused[1]
+    governor = llm.engine.runner.governor
     calls, solo, lagged, _ = fused.team_stats()
+    held, switches = governor.solo_steps, governor.switches
     spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{CPUS[-1]}}})\nwhile True: pass"])
     try:
         out = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0]
@@ -70,7 +74,11 @@ def test_a_team_lagging_behind_a_busy_core_goes_on_with_one_thread(tiny_models):
         spin.wait()
     calls2, solo2, lagged2, _ = fused.team_stats()
     assert len(out.token_ids) == 200 and calls2 - calls >= 199
-    assert lagged2 > lagged and solo2 - solo >= 64, (calls2 - calls, solo2 - solo, lagged2 - lagged)
+    # The team's own barrier clock or the step governor (whichever sees it first) notices, and the steps
+    # go on with one thread.
+    noticed = (lagged2 - lagged) + (governor.switches - switches)
+    one_thread = (solo2 - solo) + (governor.solo_steps - held)
+    assert noticed >= 1 and one_thread >= 64, (calls2 - calls, solo2 - solo, lagged2 - lagged, governor.stats())
 
 
 @pytest.mark.skipif(len(CPUS) < 2 or cpu_kernels.load() is None, reason="needs two CPUs and the CPU kernels")
@@ -98,3 +106,80 @@ def test_one_thread_gives_the_teams_numbers(tiny_models):
     assert [{t: lp.logprob for t, lp in d.items()} for d in team_lp[1]] == \
         [{t: lp.logprob for t, lp in d.items()} for d in solo_lp[1]]
     assert team_burst[0] == solo_burst[0]
+
+
+def test_governor_holds_one_thread_while_a_core_is_taken():
+    """The step governor's rule, on made-up clocks: two steps in which the threads waited long for a CPU
+    start a hold on one thread; once the hold ends the team is tried again, and a slow try holds twice
+    as long at once; a step that ran freely ends it all."""
+    now, waited = [0.0], [0.0]
+    gov = cpu_kernels.ThreadGovernor(2, hold_s=1.0, max_hold_s=4.0, clock=lambda: now[0], run_delay=lambda: waited[0])
+    before = torch.get_num_threads()
+
+    def step(wall: float, used: float) -> int:  # used: CPU seconds the step got (two threads: 2 x wall if free)
+        with gov:
+            threads = torch.get_num_threads()
+            now[0] += wall
+            waited[0] += threads * wall - used
+        return threads
+
+    try:
+        assert step(0.1, 0.2) == 2 and step(0.1, 0.11) == 2  # free, then one slow step: no hold yet
+        assert step(0.1, 0.19) == 2 and step(0.1, 0.1) == 2  # a free step in between restarts the count
+        assert step(0.1, 0.1) == 2 and gov.switches == 1  # two slow steps in a row
+        assert [step(0.4, 0.4) for _ in range(3)] == [1, 1, 1]  # held for 1 s
+        assert step(0.5, 0.6) == 2 and gov.switches == 2  # the team again: slow, so held at once, for 2 s
+        assert [step(0.5, 0.5) for _ in range(4)] == [1] * 4
+        assert step(0.1, 0.2) == 2 and step(0.1, 0.1) == 2 and gov.switches == 2  # free again: back to two in a row
+        assert step(0.001, 0.0) == 2 and gov.switches == 2  # too short to judge
+        assert gov.stats() == {"steps": 16, "solo_steps": 7, "switches": 2}
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
+def test_steps_on_one_thread_give_the_teams_numbers(tiny_models):
+    """Prompt steps (the module path) and decode steps held on one thread by the governor compute what the
+    team computes, bit for bit."""
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
+    prompt = [3 + i % 300 for i in range(300)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    governor = llm.engine.runner.governor
+    runs = []
+    for solo in (False, True):
+        governor.solo_until = float("inf") if solo else 0.0
+        steps = governor.solo_steps
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert (governor.solo_steps - steps >= 20) == solo
+        runs.append((out.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in out.outputs[0].logprobs],
+                     [{t: lp.logprob for t, lp in d.items()} for d in out.prompt_logprobs[1:]]))
+    governor.solo_until = 0.0
+    assert runs[0] == runs[1]
+
+
+_PREFILL_BESIDE_A_BUSY_CORE = r"""
+import json, os, subprocess, sys
+from tokenmill import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_cache_memory="64MiB", enable_prefix_caching=False)
+text = "The river bends twice before it reaches the old mill, where the water turns a wheel. " * 8
+params = SamplingParams(max_tokens=1, temperature=0)  # a prompt step and nothing else
+llm.generate([text], params, use_tqdm=False)
+spin = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass" % max(os.sched_getaffinity(0))])
+try:
+    for i in range(5):
+        llm.generate([f"{i} {j} " + text for j in range(2)], params, use_tqdm=False)
+finally:
+    spin.kill()
+    spin.wait()
+print(json.dumps(llm.engine.runner.governor.stats()))
+"""
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
+def test_prompt_steps_beside_a_busy_core_go_on_one_thread(default_gguf):
+    """Prompt steps run module by module, through torch's thread team: beside a process spinning on one
+    CPU, the governor sees the team's CPU time fall and holds the steps on one thread."""
+    out = subprocess.run([sys.executable, "-c", _PREFILL_BESIDE_A_BUSY_CORE, default_gguf], capture_output=True,
+                         text=True, check=True, timeout=300)
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stats["switches"] >= 1 and stats["solo_steps"] >= 1, stats

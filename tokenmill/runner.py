@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -37,8 +38,10 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
-        if device.type == "cpu":
-            cpu_kernels.fit_threads()
+        # Steps run on the whole team of threads while the CPUs are free, on one while another process holds one.
+        self.governor = None
+        if device.type == "cpu" and cpu_kernels.fit_threads() > 1:
+            self.governor = cpu_kernels.ThreadGovernor(torch.get_num_threads())
         cfg = model.config
         # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
         # One block more than the pool hands out: the scratch block that padded decode rows write to.
@@ -53,9 +56,18 @@ class ModelRunner:
         # Bursts need the model's fused CPU decoder; cleared the first time the model has none to give.
         self.supports_bursts = hasattr(model, "_fused_decoder") and device.type == "cpu" and dtype == torch.bfloat16
 
-    @torch.inference_mode()
     def execute_burst(self, sched: SchedulerOutput, steps: int,
                       interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
+        with self.governor or contextlib.nullcontext():
+            return self._execute_burst(sched, steps, interrupted)
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        with self.governor or contextlib.nullcontext():
+            return self._execute(sched)
+
+    @torch.inference_mode()
+    def _execute_burst(self, sched: SchedulerOutput, steps: int,
+                       interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
         """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
         fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
         step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch or
@@ -96,7 +108,7 @@ class ModelRunner:
                             self.device, capture)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
         # Single-token requests first: the attention backend batches them in one call.
         items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, starts = self._prepare(items)

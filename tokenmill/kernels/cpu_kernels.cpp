@@ -589,11 +589,24 @@ struct AttentionPlan {
   }
 };
 
+// The thread count attention splits are planned for. How a request's tokens split over threads
+// changes the rounding of the merged result, so the split is made for the whole team (set once with
+// set_plan_threads), not for however many threads run a step: a step's numbers must not depend on
+// whether another process happened to hold a core. 0 until set: torch's thread count.
+inline std::atomic<int64_t> g_plan_threads{0};
+
+inline int64_t plan_threads() {
+  const int64_t n = g_plan_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : at::get_num_threads();
+}
+
+void set_plan_threads(int64_t n) { g_plan_threads.store(std::max<int64_t>(0, n)); }
+
 template <typename T>
 void decode_attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens, T* out,
                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
                       int64_t window) {
-  AttentionPlan plan(bt, lens, B, H, KVH, D, nb, bs, scale, window, at::get_num_threads());
+  AttentionPlan plan(bt, lens, B, H, KVH, D, nb, bs, scale, window, plan_threads());
   at::parallel_for(0, plan.parts, 1, [&](int64_t i0, int64_t i1) {
     AttentionPlan::Scratch s;
     for (int64_t i = i0; i < i1; ++i) plan.run_part<T>(i, q, kc, vc, s);
@@ -1291,11 +1304,10 @@ class FusedDecoder {
 
   // How the attention of the step's requests splits over the threads, per layer. A window that no
   // request's context exceeds selects every token, as no window does, so the two share a plan.
-  // The split is made for the whole team even when fewer threads run the step (see team()): how tokens
-  // are split changes the rounding of the merged result, and a step's numbers must not depend on
-  // whether another process happened to hold a core.
+  // The split is made for the whole team even when fewer threads run the step (see team() and
+  // plan_threads()).
   StepPlans attention_plan(const Step& s) const {
-    const int64_t threads = team_size();
+    const int64_t threads = plan_threads();
     int64_t longest = 0;
     for (int64_t b = 0; b < s.B; ++b) longest = std::max(longest, s.lens[b]);
     StepPlans p;
@@ -1655,6 +1667,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_gemv_rows") = py::int_(kMaxGemvRows);
   m.def("paged_decode_attention", &paged_decode_attention, release());
   m.def("argmax_rows", &argmax_rows, release());
+  m.def("set_plan_threads", &set_plan_threads);
   bind_decoder<float>(m, "FusedDecoderF32");
   bind_decoder<uint16_t>(m, "FusedDecoderBF16");
 #ifdef __AVX512BF16__
