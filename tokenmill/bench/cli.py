@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput | latency | serve | roofline | compare`."""
+"""`tokenmill bench throughput | latency | serve | soak | roofline | compare`."""
 
 from __future__ import annotations
 
@@ -50,6 +50,27 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     p.add_argument("--vocab-size", type=int, default=49152, help="token id range of random prompts")
     dataset_args(p, 200, with_seed=True)
     p.set_defaults(func=_serve)
+
+    p = bsub.add_parser("soak", help="hold a local `tokenmill serve` under a mixed, hostile load; report outcomes, "
+                                     "latency, memory")
+    p.add_argument("--model", default=None, help="what the server loads (default: the default model)")
+    p.add_argument("--server-args", default="", help="more flags for `tokenmill serve`, as one string")
+    p.add_argument("--minutes", type=float, default=5.0, help="length of each phase")
+    p.add_argument("--phases", default="quiet", help="comma-separated quiet | busy (one CPU taken by a spinning "
+                                                     "process), e.g. quiet,busy,quiet,busy")
+    p.add_argument("--concurrency", type=int, default=12)
+    p.add_argument("--burst-every", type=float, default=60.0, help="seconds between bursts")
+    p.add_argument("--burst-size", type=int, default=40)
+    p.add_argument("--max-queued-requests", type=int, default=32, help="the server's queue limit")
+    p.add_argument("--body-timeout", type=float, default=5.0, help="the server's --body-read-timeout")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="a request unanswered this long is unexpected")
+    p.add_argument("--sample-every", type=float, default=15.0, help="seconds between RSS and /metrics samples")
+    p.add_argument("--warmup", type=float, default=20.0, help="seconds of load before the first phase")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-log", default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_soak)
 
     p = bsub.add_parser("roofline", help="machine limits and the model's share of them")
     add_engine_args(p)
@@ -132,6 +153,12 @@ def _serve(args) -> int:
     print_summary(summary)
     write_json(args.json, summary)
     return 0 if summary["failed"] == 0 else 1
+
+
+def _soak(args) -> int:
+    from tokenmill.bench import soak
+
+    return soak.main(args)
 
 
 def _roofline(args, engine_kwargs) -> int:
