@@ -202,3 +202,38 @@ def test_decodes_get_their_token_before_a_prompt_chunk():
     sch.long_prefill_token_threshold = 5
     got = {s.request.request_id: s.num_new_tokens for s in sch.schedule().scheduled}
     assert got == {"s0": 1, "s1": 1, "s2": 1, "long": 5}
+
+
+def test_cut_off_ends_requests_in_flight_and_any_added_later(tiny_models):
+    """The server's shutdown cut-off: running requests end with RequestCutOffError and give back their
+    blocks; a request that was still being prepared (tokenised, its grammar compiled) when the cut came
+    is refused as it is added, instead of running until the server cancels it."""
+    from tokenmill.engine.async_engine import RequestCutOffError
+
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def run():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            running = engine.generate("running", [1, 2, 3], params)
+            await running.__anext__()
+            assert engine.cut_off("shutting down") == 1
+            with pytest.raises(RequestCutOffError, match="shutting down"):
+                async for _ in running:
+                    pass
+            assert engine.try_reserve(1, limit=8)
+            with pytest.raises(RequestCutOffError):
+                engine.add("late", [1, 2, 3], params, reserved=True)
+            engine.release(1)
+            for _ in range(100):  # the abort reaches the engine thread between steps
+                if not llm.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.num_waiting == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+    assert llm.engine.kv_manager.usage() == 0 and not llm.engine.has_unfinished_requests()

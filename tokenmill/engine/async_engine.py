@@ -97,6 +97,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
         self._on_death: list[Callable[[], None]] = []
+        self._cut_off: str | None = None  # cut_off()'s message, once called
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -138,6 +139,8 @@ class AsyncEngine:
         queue were taken by try_reserve()."""
         if self.is_dead:
             raise EngineDeadError("the engine has stopped after an internal error")
+        if self._cut_off is not None:  # a reservation is the caller's to release
+            raise RequestCutOffError(self._cut_off)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
                          params.output_kind is RequestOutputKind.FINAL_ONLY)
         self._streams[request_id] = stream
@@ -165,7 +168,8 @@ class AsyncEngine:
 
     def cut_off(self, message: str) -> int:
         """End every request still in flight: each reader gets RequestCutOffError(message) and the engine
-        drops the request. Returns how many were cut."""
+        drops the request; requests added later fail at once the same way. Returns how many were cut."""
+        self._cut_off = message  # and any request added from now on fails at once
         streams = list(self._streams.items())
         for request_id, stream in streams:
             stream.put(RequestCutOffError(message))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import os
@@ -17,7 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestCutOffError
 from tokenmill.server import dashboard
 from tokenmill.server.logprobs import TokenText
 from tokenmill.server.metrics import ServerMetrics
@@ -180,6 +179,8 @@ def _guarded_protocol(state: ServerState, max_connections: int, header_timeout: 
         transport.close()
 
     class GuardedProtocol(Base):
+        # The header timer runs from a connection's opening, and again from the first bytes of each later
+        # request on it, until that request's headers are complete (uvicorn then has a request cycle).
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._headers_timer = None
@@ -187,16 +188,27 @@ def _guarded_protocol(state: ServerState, max_connections: int, header_timeout: 
                 refuse(transport, 503, "max_connections",
                        f"too many open connections (at most {max_connections}); retry shortly")
                 return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._headers_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # the first bytes of a new request on a kept-alive connection
+            super().data_received(data)
+
+        def _arm(self) -> None:
+            self._armed_cycle = self.cycle
             self._headers_timer = self.loop.call_later(header_timeout, self._headers_overdue)
 
         def _headers_overdue(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+            self._headers_timer = None
+            if self.cycle is self._armed_cycle and not self.transport.is_closing():  # no new request began
                 refuse(self.transport, 408, "header_timeout",
                        f"the request headers did not arrive within {header_timeout:g} s")
 
         def connection_lost(self, exc) -> None:
             if self._headers_timer is not None:
                 self._headers_timer.cancel()
+                self._headers_timer = None
             super().connection_lost(exc)
 
     return GuardedProtocol
@@ -264,6 +276,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _http_error(request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), exc.status_code)
+
+    @app.exception_handler(RequestCutOffError)
+    async def _cut_off(request, exc):  # a request added after the shutdown cut-off
+        return JSONResponse(error_body(str(exc), "server_shutdown", 503), 503)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc):
@@ -448,8 +464,10 @@ def _raise_open_files_limit(connections: int) -> None:
     wanted = connections + 256  # model files, the tokenizer, logs, the engine's own
     if soft != resource.RLIM_INFINITY and soft < wanted:
         new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        with contextlib.suppress(ValueError, OSError):
+        try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            new = soft
         if new < wanted:
             logger.warning("open files are limited to %d: fewer than --max-connections %d can be held", new,
                            connections)
