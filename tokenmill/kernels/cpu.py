@@ -80,13 +80,23 @@ def fit_threads() -> int:
 
 
 class RunDelay:
-    """Seconds this process's threads have spent ready to run but waiting for a CPU, summed over threads
-    (the second field of each /proc/self/task/TID/schedstat). The files stay open and are read again at
-    offset 0, a few microseconds each; the list of threads is renewed every `renew` readings."""
+    """How long each of this process's threads has spent ready to run but waiting for a CPU, in seconds
+    (the second field of /proc/self/task/TID/schedstat), by thread id. The files stay open and are read
+    again at offset 0, a few microseconds each; the list of threads is renewed every `renew` readings
+    (a thread met for the first time counts from then on: compare readings over the threads in both)."""
 
     def __init__(self, renew: int = 64) -> None:
+        import weakref
+
         self.renew, self.readings = renew, 0
         self.files: dict[str, int] = {}
+        weakref.finalize(self, RunDelay._close_all, self.files)
+
+    @staticmethod
+    def _close_all(files: dict[str, int]) -> None:
+        for fd in files.values():
+            os.close(fd)
+        files.clear()
 
     def _renew(self) -> None:
         try:
@@ -102,17 +112,22 @@ class RunDelay:
             except OSError:
                 pass
 
-    def __call__(self) -> float:
+    def __call__(self) -> dict[str, float]:
         if self.readings % self.renew == 0:
             self._renew()
         self.readings += 1
-        waited = 0
-        for fd in self.files.values():
+        waited = {}
+        for tid, fd in self.files.items():
             try:
-                waited += int(os.pread(fd, 96, 0).split()[1])
+                waited[tid] = int(os.pread(fd, 96, 0).split()[1]) * 1e-9
             except (OSError, IndexError, ValueError):  # the thread has ended
                 pass
-        return waited * 1e-9
+        return waited
+
+    @staticmethod
+    def between(before: dict[str, float], after: dict[str, float]) -> float:
+        """Seconds waited from one reading to a later one, over the threads present in both."""
+        return sum(w - before[tid] for tid, w in after.items() if tid in before)
 
 
 class ThreadGovernor:
@@ -151,7 +166,7 @@ class ThreadGovernor:
         self.hold = hold_s
         self.slow_in_a_row = 0
         self.steps = self.solo_steps = self.switches = 0
-        self._start = self._delay = 0.0
+        self._start, self._delay = 0.0, {}
         self._threads = self._outside = team
 
     def __enter__(self) -> "ThreadGovernor":
@@ -176,7 +191,7 @@ class ThreadGovernor:
         wall = now - self._start
         if wall < self.MIN_STEP_S:
             return
-        if (self.run_delay() - self._delay) / wall <= self.WAITED:
+        if RunDelay.between(self._delay, self.run_delay()) / wall <= self.WAITED:
             self.slow_in_a_row, self.hold = 0, self.hold_s
             return
         self.slow_in_a_row += 1
