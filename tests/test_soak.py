@@ -12,8 +12,9 @@ def test_short_soak_has_no_unexpected_outcome(tiny_models, tmp_path):
     cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "soak", "--model", tiny_models["llama"],
            "--server-args", "--dtype float32", "--phases", "quiet,busy", "--minutes", "0.3", "--warmup", "5",
            "--concurrency", "6", "--burst-every", "8", "--burst-size", "30", "--max-queued-requests", "8",
-           "--body-timeout", "2", "--sample-every", "4", "--json", str(out)]
+           "--body-timeout", "3", "--sample-every", "4", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert out.exists(), done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert done.returncode == 0, done.stdout + done.stderr
     assert report["outcomes"].get("unexpected", 0) == 0, report["unexpected"]

@@ -17,6 +17,7 @@ against quiet ones from the same run.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import random
@@ -38,6 +39,9 @@ _WEIGHTS = {"complete": 4, "chat_stream": 4, "long_prompt": 1, "structured": 1, 
             "leave_stream": 1, "leave_whole": 1, "bad": 2, "stalled_upload": 0.3}
 _TEXT = ("The river bends twice before it reaches the old mill, where the water turns a wheel that has "
          "ground grain for two hundred years. ")
+
+
+_started_in: contextvars.ContextVar[str | None] = contextvars.ContextVar("started_in", default=None)
 
 
 @dataclass(slots=True)
@@ -94,7 +98,7 @@ class _Server:
         cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--body-read-timeout", str(body_timeout), "--max-queued-requests", str(queue), *extra]
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -137,6 +141,15 @@ def _metrics(text: str) -> dict[str, float]:
     return values
 
 
+def _die_with_parent() -> None:
+    """preexec_fn of the children: killed when the soak dies, however it dies (a spinner or a server left
+    behind would slow everything after it)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class _Spinner:
     """A process that keeps one CPU busy (pinned to it) while a busy phase lasts."""
 
@@ -146,7 +159,8 @@ class _Spinner:
     def start(self) -> None:
         cpu = sorted(os.sched_getaffinity(0))[-1]
         self.proc = subprocess.Popen([sys.executable, "-c",
-                                      f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+                                      f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"],
+                                     preexec_fn=_die_with_parent)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -164,6 +178,15 @@ class _Load:
         self.phase = "warm-up"
         self.results: list[Outcome] = []
         self.long_repeats = 1  # copies of _TEXT in a long prompt, fitted to the context by fit()
+        self.kinds, self.weights = zip(*_WEIGHTS.items())
+        self.picks = 0
+
+    def pick(self) -> str:
+        """Each kind once first (so that a short soak meets them all), then at random by weight."""
+        self.picks += 1
+        if self.picks <= len(self.kinds):
+            return self.kinds[self.picks - 1]
+        return self.rng.choices(self.kinds, self.weights)[0]
 
     def fit(self) -> None:
         """Learn the served model's name, and size long prompts to half its context (at most ~1,000 tokens)."""
@@ -173,7 +196,14 @@ class _Load:
         self.long_repeats = max(1, min(1000, (model.get("max_model_len") or 2048) // 2) // max(per_copy, 1))
 
     def record(self, kind: str, outcome: str, status: int | None, start: float, detail: str = "") -> None:
-        self.results.append(Outcome(kind, self.phase, outcome, status, time.monotonic() - start, detail[:300]))
+        """One request's outcome, under the phase in which it started (begin())."""
+        phase = _started_in.get() or self.phase
+        self.results.append(Outcome(kind, phase, outcome, status, time.monotonic() - start, detail[:300]))
+
+    def begin(self) -> float:
+        """A request starts: its time, and the phase it belongs to, for the coroutine that runs it."""
+        _started_in.set(self.phase)
+        return time.monotonic()
 
     def judge(self, kind: str, status: int, start: float, body: str = "", expect_4xx: tuple = ()) -> None:
         if status == 200 and not expect_4xx:
@@ -184,12 +214,12 @@ class _Load:
             self.record(kind, "unexpected", status, start, body)
 
     async def one(self, client: httpx.AsyncClient, kind: str) -> None:
-        start = time.monotonic()
+        start = self.begin()
         try:
             await asyncio.wait_for(getattr(self, "_" + kind)(client, start), self.request_timeout)
         except asyncio.TimeoutError:
             self.record(kind, "unexpected", None, start, f"no answer within {self.request_timeout:g} s")
-        except (httpx.HTTPError, OSError, ValueError) as e:
+        except Exception as e:  # anything else the client met is the server's doing too
             self.record(kind, "unexpected", None, start, f"{type(e).__name__}: {e}")
 
     async def _stream(self, client, kind: str, path: str, body: dict, start: float, read_delay: float = 0.0,
@@ -205,7 +235,7 @@ class _Load:
                     done = True
                     break
                 event = json.loads(line[6:])
-                if "error" in event:
+                if not isinstance(event, dict) or "error" in event:
                     return self.record(kind, "unexpected", 200, start, f"error event: {event['error']}")
                 chunks += 1
                 if leave_after is not None and chunks >= leave_after:
@@ -296,12 +326,12 @@ class _Load:
     async def burst(self, client: httpx.AsyncClient, size: int) -> None:
         """Many simultaneous short requests: each must get a 200 or a 429, nothing else."""
         async def one():
-            start = time.monotonic()
+            start = self.begin()
             try:
                 r = await asyncio.wait_for(client.post(self.url + "/v1/completions", json={
                     "model": self.model_name, "prompt": "burst", "max_tokens": 4}), self.request_timeout)
                 self.judge("burst", r.status_code, start, r.text)
-            except (asyncio.TimeoutError, httpx.HTTPError, OSError) as e:
+            except Exception as e:
                 self.record("burst", "unexpected", None, start, f"{type(e).__name__}: {e}")
 
         await asyncio.gather(*(one() for _ in range(size)))
@@ -309,7 +339,6 @@ class _Load:
 
 # ---------------------------------------------------------------------- the run
 async def _drive(server: _Server, load: _Load, args, phases: list[str], report: SoakReport) -> None:
-    kinds, weights = zip(*_WEIGHTS.items())
     limits = httpx.Limits(max_connections=args.concurrency + args.burst_size + 8, max_keepalive_connections=32)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
         stop = asyncio.Event()
@@ -317,7 +346,7 @@ async def _drive(server: _Server, load: _Load, args, phases: list[str], report: 
 
         async def worker():
             while not stop.is_set():
-                await load.one(client, load.rng.choices(kinds, weights)[0])
+                await load.one(client, load.pick())
 
         async def bursts():
             while not stop.is_set():
@@ -340,7 +369,11 @@ async def _drive(server: _Server, load: _Load, args, phases: list[str], report: 
                 try:
                     await asyncio.wait_for(stop.wait(), args.sample_every)
                 except asyncio.TimeoutError:
-                    await sample()
+                    start = load.begin()
+                    try:
+                        await sample()
+                    except Exception as e:  # /metrics must answer under any load
+                        load.record("metrics", "unexpected", None, start, f"{type(e).__name__}: {e}")
 
         t0 = time.monotonic()
         tasks = [asyncio.ensure_future(worker()) for _ in range(args.concurrency)]
@@ -364,7 +397,9 @@ async def _drive(server: _Server, load: _Load, args, phases: list[str], report: 
             spinner.stop()
             stop.set()
             load.phase = "end"
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for failed in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(failed, BaseException):  # a client task died: count it, never hide it
+                    load.record("client", "unexpected", None, load.begin(), f"{type(failed).__name__}: {failed}")
 
         # Everything has ended: the server must come back to idle (nothing running, waiting, or held).
         deadline = time.monotonic() + 30
