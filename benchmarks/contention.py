@@ -39,7 +39,9 @@ finally:
     spin.wait()
 fused = getattr(llm.engine.model, "_fused", None)
 stats = list(fused[1].team_stats()) if fused and hasattr(fused[1], "team_stats") else None
-print(json.dumps({"quiet": quiet, "busy": busy, "team_stats": stats}))
+governor = getattr(llm.engine.runner, "governor", None)
+print(json.dumps({"quiet": quiet, "busy": busy, "team_stats": stats,
+                  "governor": governor.stats() if governor is not None else None}))
 """
 
 
@@ -93,7 +95,8 @@ def main() -> None:
                 res = tokenmill(args.model, args.tokens, spin_cpu, how)
             results[name].append(res)
             print(f"round {r + 1}: {name} quiet {res['quiet']:.2f} busy {res['busy']:.2f} tok/s "
-                  f"({res['busy'] / res['quiet']:.2f}x)" + (f" team {res['team_stats']}" if res.get("team_stats") else ""),
+                  f"({res['busy'] / res['quiet']:.2f}x)" + (f" team {res['team_stats']}" if res.get("team_stats") else "")
+                  + (f" governor {res['governor']}" if res.get("governor") else ""),
                   flush=True)
     print("\n| engine | quiet tok/s | one CPU busy tok/s | ratio (median of rounds) |\n| --- | --- | --- | --- |")
     for name, rs in results.items():
