@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 
 import torch
 
@@ -158,8 +159,6 @@ class ThreadGovernor:
 
     def __init__(self, team: int, hold_s: float = 1.0, max_hold_s: float = 16.0, clock=None,
                  run_delay=None) -> None:
-        import time
-
         self.team, self.hold_s, self.max_hold_s = team, hold_s, max_hold_s
         self.clock, self.run_delay = clock or time.monotonic, run_delay or RunDelay()
         self.solo_until = 0.0

@@ -214,24 +214,28 @@ def _guarded_protocol(state: ServerState, max_connections: int, header_timeout: 
     return GuardedProtocol
 
 
-def _json_response(status: int, body: dict, close: bool) -> bytes:
-    """A whole HTTP/1.1 response with a JSON body, for the transport-level guards."""
-    import json
-    from http import HTTPStatus
-
-    data = json.dumps(body).encode()
-    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(data)}\r\n" + ("connection: close\r\n" if close else "") + "\r\n")
-    return head.encode() + data
-
-
-async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
+def _json_parts(body: dict, close: bool) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """A JSON error body and its headers, for answers given below FastAPI."""
     import json
 
     data = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     if close:
         headers.append((b"connection", b"close"))
+    return data, headers
+
+
+def _json_response(status: int, body: dict, close: bool) -> bytes:
+    """A whole HTTP/1.1 response, for the transport-level guards."""
+    from http import HTTPStatus
+
+    data, headers = _json_parts(body, close)
+    head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
+    return head + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n" + data
+
+
+async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
+    data, headers = _json_parts(body, close)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
