@@ -76,10 +76,14 @@ def test_dequantize_matches_gguf(kernels, qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 17, 47, 48, 64])
 def test_matmul_matches_float64(kernels, qtype, batch):
+    """Below kernels.float_rows input rows the product quantizes them to int8 (the decode path); from it on
+    it multiplies dequantized weights with the float inputs (the prompt path). Each against its own
+    exact float64 product, and both against the float inputs."""
     rng = np.random.default_rng(batch * 100 + int(qtype))
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    int8_inputs = batch < kernels.float_rows()
     for n, k in SHAPES[block]:
         data = random_blocks(qtype, n, k, rng)
         w64 = gguf.quants.dequantize(data, qtype).reshape(n, k).astype(np.float64)
@@ -88,12 +92,27 @@ def test_matmul_matches_float64(kernels, qtype, batch):
         w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
         got = w.matmul(torch.from_numpy(x)).numpy()
         # Exactly what the kernel computes, up to float32 accumulation: tight.
-        exact = quantized_activation(x) @ w64.T
-        scale = np.abs(quantized_activation(x)) @ np.abs(w64).T + 1e-30
+        xk = quantized_activation(x) if int8_inputs else x.astype(np.float64)
+        exact = xk @ w64.T
+        scale = np.abs(xk) @ np.abs(w64).T + 1e-30
         assert np.max(np.abs(got - exact) / scale) < 2e-5, (n, k)
         # Against the float activations: the int8 rounding, about 1/254 of each block's largest value.
         plain = x.astype(np.float64) @ w64.T
-        assert np.max(np.abs(got - plain) / scale) < 1e-2, (n, k)
+        assert np.max(np.abs(got - plain) / scale) < (1e-2 if int8_inputs else 2e-5), (n, k)
+
+
+def test_prompt_path_keeps_float_inputs(kernels):
+    """The first rows of a long chunk come out as they would alone through the float path, and differ
+    from the int8 path's by its rounding: the two paths really are different."""
+    rng = np.random.default_rng(9)
+    data = random_blocks(T.Q4_K, 300, 512, rng)
+    w = quant.QuantizedWeight.from_blocks(int(T.Q4_K), (300, 512), torch.from_numpy(data))
+    x = torch.randn(kernels.float_rows(), 512)
+    want = x.double() @ w.dequantize().double().T
+    long = w.matmul(x).double()
+    short = w.matmul(x[:4]).double()
+    torch.testing.assert_close(long, want, rtol=1e-5, atol=1e-5)
+    assert (short - want[:4]).abs().max() > 100 * (long[:4] - want[:4]).abs().max()
 
 
 def test_bfloat16_activations(kernels):

@@ -29,7 +29,7 @@ logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_DIR, "cpu_kernels.cpp")
-_HEADERS = [os.path.join(_DIR, "quant.h")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("quant.h", "quant_product.h")]
 _NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # the kernels' instruction sets
 
 _module = None
@@ -77,6 +77,9 @@ def fit_threads() -> int:
         torch.set_num_threads(usable)
     if _module is not None:
         _module.set_plan_threads(torch.get_num_threads())
+        from tokenmill.kernels.quant import _apply_float_rows_env
+
+        _apply_float_rows_env(_module)
     return torch.get_num_threads()
 
 
@@ -238,6 +241,9 @@ def load() -> object | None:
     try:
         _module = build(_SOURCE)
         _module.set_plan_threads(torch.get_num_threads())
+        from tokenmill.kernels.quant import _apply_float_rows_env
+
+        _apply_float_rows_env(_module)
     except Exception as e:  # no compiler, no headers: the torch path still works
         logger.warning("could not build the CPU decode kernels (%s); using torch's own", str(e).splitlines()[0])
         _module = None

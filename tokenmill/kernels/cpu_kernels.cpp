@@ -33,7 +33,7 @@
 #include <utility>
 #include <vector>
 
-#include "quant.h"
+#include "quant_product.h"
 
 #ifndef __AVX512BF16__
 // CPUs with AVX-512 but without its BF16 extension (Skylake-SP to Ice Lake, Zen 3): the two BF16
@@ -871,12 +871,12 @@ struct QInput {
   void set(const T* x, int64_t M, int64_t K) {
     const int64_t nb = K / tmq::QK;
     q.resize(M * K), d.resize(M * nb), s.resize(M * nb), rows.resize(M);
+    if constexpr (!kIsFloat<T>) f.resize(K);
     for (int64_t m = 0; m < M; ++m) {
       const float* xr;
       if constexpr (kIsFloat<T>) {
         xr = x + m * K;
       } else {
-        f.resize(K);
         for (int64_t k = 0; k < K; ++k) f[k] = from_bf16(x[m * K + k]);
         xr = f.data();
       }
@@ -950,32 +950,26 @@ void matrix_segments(const Matrix& W, int64_t n0, int64_t n1, std::vector<Segmen
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) for any M, over all threads: dense parts through torch's GEMM, block
-// formats through their kernels (tiles of weight rows, each pass over a row taking kRowGroup input rows).
+// formats through tmq::block_product (quant_product.h).
 template <typename T>
 torch::Tensor matrix_product(const Matrix& W, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
   if (W.parts.size() == 1 && W.parts[0].dense()) return at::linear(x, W.tensors[0], bias);
-  const int64_t M = x.size(0), K = W.K;
+  const int64_t M = x.size(0);
   auto y = torch::empty({M, W.N}, x.options());
-  QInput xq;
-  if (W.quantized) xq.set(reinterpret_cast<const T*>(x.data_ptr()), M, K);
-  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  // Block formats write float32: straight into y, or into a float32 copy of it for bfloat16.
+  torch::Tensor y32 = kIsFloat<T> ? y : torch::empty({M, W.N}, x.options().dtype(torch::kFloat32));
+  const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();
   for (size_t i = 0; i < W.parts.size(); ++i) {
     const MatrixPart& p = W.parts[i];
-    if (p.dense()) {
+    if (p.dense())
       y.narrow(1, p.r0, p.r1 - p.r0).copy_(at::linear(x, W.tensors[i]));
-      continue;
-    }
-    at::parallel_for(p.r0, p.r1, 8, [&](int64_t n0, int64_t n1) {
-      float out[tmq::kRowGroup];
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = reinterpret_cast<const uint8_t*>(p.data) + (n - p.r0) * p.row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += tmq::kRowGroup) {
-          const int g = (int)std::min<int64_t>(tmq::kRowGroup, M - m0);
-          tmq::dot_rows((int)p.type, row, xq.rows.data() + m0, g, K, out);
-          for (int r = 0; r < g; ++r) yp[(m0 + r) * W.N + n] = from_float<T>(out[r]);
-        }
-      }
-    });
+    else
+      tmq::block_product((int)p.type, reinterpret_cast<const uint8_t*>(p.data), p.row_bytes, p.r1 - p.r0, x32,
+                         y32.data_ptr<float>() + p.r0, W.N);
+  }
+  if constexpr (!kIsFloat<T>) {
+    for (const MatrixPart& p : W.parts)
+      if (!p.dense()) y.narrow(1, p.r0, p.r1 - p.r0).copy_(y32.narrow(1, p.r0, p.r1 - p.r0));
   }
   if (bias) y.add_(*bias);
   return y;
@@ -1668,6 +1662,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, release());
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_plan_threads", &set_plan_threads);
+  m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(1, n)); },
+        "input rows from which block-format products dequantize + GEMM (quant_product.h)");
   bind_decoder<float>(m, "FusedDecoderF32");
   bind_decoder<uint16_t>(m, "FusedDecoderBF16");
 #ifdef __AVX512BF16__

@@ -96,7 +96,7 @@ inline bool format_of(int type, Format& f) {
 
 // ---------------------------------------------------------------------------------------------- dequantize
 
-inline void dequantize_row(int type, const uint8_t* row, float* y, int64_t K) {
+inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int64_t K) {
   switch (type) {
     case Q8_0: {
       const int64_t nb = K / QK;
@@ -178,6 +178,136 @@ inline void dequantize_row(int type, const uint8_t* row, float* y, int64_t K) {
       }
       break;
   }
+}
+
+#ifdef TM_QUANT_AVX512
+// The vectorised dequantizations below compute each value with the portable path's operations in its
+// order (no fused multiply-adds), so both give the same floats, those of the gguf package.
+
+inline void store16(float* y, __m128i bytes, __m512 scale, __m512 offset, bool sub) {  // y = scale q -/+ offset
+  __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  __m512 p = _mm512_mul_ps(scale, q);
+  _mm512_storeu_ps(y, sub ? _mm512_sub_ps(p, offset) : _mm512_add_ps(p, offset));
+}
+
+inline void dequantize_q8_0(const uint8_t* row, float* y, int64_t K) {
+  const int64_t nb = K / QK;
+  const uint16_t* d = (const uint16_t*)row;
+  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 db = _mm512_set1_ps(fp16(d[b]));
+    for (int c = 0; c < 2; ++c) {
+      __m128i q8 = _mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c));
+      _mm512_storeu_ps(y + b * QK + 16 * c, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))));
+    }
+  }
+}
+
+// Q4_0: d (q - 8); Q4_1: d q + m. Pairs of blocks from one 32-byte load; an odd last block as GGUF holds it.
+template <bool HAS_MIN>
+inline void dequantize_q4_01(const uint8_t* row, float* y, int64_t K) {
+  const int64_t nb = K / QK;
+  const uint16_t* d = (const uint16_t*)row;
+  const uint16_t* m = d + nb;
+  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
+  const __m512 eight = _mm512_set1_ps(8.f), zero = _mm512_setzero_ps();
+  auto block = [&](int64_t b, __m128i lo16, __m128i hi16) {  // elements 0-15 and 16-31 of block b
+    const __m512 db = _mm512_set1_ps(fp16(d[b]));
+    const __m512 mb = HAS_MIN ? _mm512_set1_ps(fp16(m[b])) : zero;
+    float* yb = y + b * QK;
+    for (int c = 0; c < 2; ++c) {
+      __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c ? hi16 : lo16));
+      _mm512_storeu_ps(yb + 16 * c, HAS_MIN ? _mm512_add_ps(_mm512_mul_ps(db, q), mb) : _mm512_mul_ps(db, _mm512_sub_ps(q, eight)));
+    }
+  };
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    const uint8_t* p = qs + (b / 2) * 32;
+    __m128i q0 = _mm_loadu_si128((const __m128i*)p), q1 = _mm_loadu_si128((const __m128i*)(p + 16));
+    block(b, _mm_and_si128(q0, m4), _mm_and_si128(q1, m4));
+    block(b + 1, _mm_and_si128(_mm_srli_epi16(q0, 4), m4), _mm_and_si128(_mm_srli_epi16(q1, 4), m4));
+  }
+  if (nb % 2) {
+    __m128i q = _mm_loadu_si128((const __m128i*)(qs + (nb / 2) * 32));
+    block(nb - 1, _mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+  }
+}
+
+// Q4_K / Q5_K: (d sc_j) q - dmin m_j per 32-element sub-block j.
+template <bool FIVE>
+inline void dequantize_q45_k(const uint8_t* row, float* y, int64_t K) {
+  const int size = FIVE ? 176 : 144;
+  const __m128i m4 = _mm_set1_epi8(0xF), one = _mm_set1_epi8(1);
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    const uint8_t* blk = row + b * size;
+    const float d = fp16(*(const uint16_t*)blk), dmin = fp16(*(const uint16_t*)(blk + 2));
+    const uint8_t* scales = blk + 4;
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + (FIVE ? 48 : 16);
+    for (int j = 0; j < 4; ++j) {
+      int sc[2], mn[2];
+      scale_min_k4(2 * j, scales, sc[0], mn[0]);
+      scale_min_k4(2 * j + 1, scales, sc[1], mn[1]);
+      for (int c = 0; c < 2; ++c) {  // elements l = 16c .. 16c + 15 of the 32 bytes
+        __m128i q = _mm_loadu_si128((const __m128i*)(qs + 32 * j + 16 * c));
+        __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+        if (FIVE) {
+          __m128i h = _mm_loadu_si128((const __m128i*)(qh + 16 * c));
+          lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j), one), 4));
+          hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j + 1), one), 4));
+        }
+        float* out = y + b * QKK + 64 * j + 16 * c;
+        store16(out, lo, _mm512_set1_ps(d * sc[0]), _mm512_set1_ps(dmin * mn[0]), true);
+        store16(out + 32, hi, _mm512_set1_ps(d * sc[1]), _mm512_set1_ps(dmin * mn[1]), true);
+      }
+    }
+  }
+}
+
+// Q6_K: (d sc_i) (q - 32) per 16-element sub-block i.
+inline void dequantize_q6_k(const uint8_t* row, float* y, int64_t K) {
+  const __m128i m4 = _mm_set1_epi8(0xF), m2 = _mm_set1_epi8(3);
+  const __m512i c32 = _mm512_set1_epi32(32);
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    const BlockQ6_K& x = ((const BlockQ6_K*)row)[b];
+    const float d = fp16(x.d);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = x.ql + 64 * h;
+      const uint8_t* qh = x.qh + 32 * h;
+      const int8_t* sc = x.scales + 8 * h;
+      for (int c = 0; c < 2; ++c) {  // l = 16c .. 16c + 15
+        __m128i a = _mm_loadu_si128((const __m128i*)(ql + 16 * c));
+        __m128i bq = _mm_loadu_si128((const __m128i*)(ql + 32 + 16 * c));
+        __m128i hb = _mm_loadu_si128((const __m128i*)(qh + 16 * c));
+        __m128i q[4] = {
+            _mm_or_si128(_mm_and_si128(a, m4), _mm_slli_epi16(_mm_and_si128(hb, m2), 4)),
+            _mm_or_si128(_mm_and_si128(bq, m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2), m2), 4)),
+            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 4), m2), 4)),
+            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bq, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 6), m2), 4))};
+        float* out = y + b * QKK + 128 * h + 16 * c;
+        for (int k = 0; k < 4; ++k) {
+          __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q[k]), c32));
+          _mm512_storeu_ps(out + 32 * k, _mm512_mul_ps(_mm512_set1_ps(d * sc[c + 2 * k]), v));
+        }
+      }
+    }
+  }
+}
+#endif  // TM_QUANT_AVX512
+
+// The exact float values of a row (the portable path's, vectorised where the CPU allows).
+inline void dequantize_row(int type, const uint8_t* row, float* y, int64_t K) {
+#ifdef TM_QUANT_AVX512
+  switch (type) {
+    case Q8_0: return dequantize_q8_0(row, y, K);
+    case Q4_0: return dequantize_q4_01<false>(row, y, K);
+    case Q4_1: return dequantize_q4_01<true>(row, y, K);
+    case Q4_K: return dequantize_q45_k<false>(row, y, K);
+    case Q5_K: return dequantize_q45_k<true>(row, y, K);
+    case Q6_K: return dequantize_q6_k(row, y, K);
+  }
+#endif
+  dequantize_row_portable(type, row, y, K);
 }
 
 // A row of GGUF blocks into the kernel's layout (see the top of this file); K formats are copied as they are.

@@ -18,7 +18,7 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h")]
+_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_product.h")]
 
 # GGML type id -> (name, elements per block, bytes per block), for the types with a kernel.
 FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
@@ -68,9 +68,26 @@ def load():
         logger.warning("could not build the quantized-weight kernels (%s)", str(e).splitlines()[0])
         _module = None
     else:
+        _apply_float_rows_env(_module)
         if not _module.vectorized:
             logger.info("quantized-weight kernels built without AVX-512 BW: using their portable C++ path")
     return _module
+
+
+def set_float_rows(rows: int) -> None:
+    """From how many input rows on a product dequantizes its weight tiles and multiplies float inputs by
+    torch's GEMM (below: int8 inputs and integer dot products); both kernel modules take it."""
+    from tokenmill.kernels import cpu
+
+    for module in (load(), cpu.load()):
+        if module is not None:
+            module.set_float_rows(int(rows))
+
+
+def _apply_float_rows_env(module) -> None:
+    value = os.environ.get("TOKENMILL_QUANT_FLOAT_ROWS")
+    if value:
+        module.set_float_rows(int(value))
 
 
 def type_name(qtype: int) -> str:

@@ -1,23 +1,15 @@
 // Products with quantized weights (quant.h): y[M, N] = x[M, K] W^T for W in a GGUF block format.
 //
-// The same entry serves decode (M = a few rows: a GEMV bound by the weight stream) and prompt chunks (M in
-// the hundreds: the weight tile stays in cache while every activation row passes over it). Work is split
-// into tiles of weight rows that the threads take from a shared counter, so a thread that the OS
-// deschedules (another process on the core) delays only the tile it holds, not a fixed half of the matrix.
-// Every entry point releases the GIL.
+// The same entry serves decode (a few rows: a GEMV bound by the weight stream) and prompt chunks (a
+// dequantized tile of weight rows times torch's GEMM); quant_product.h chooses. Every entry point releases
+// the GIL.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <atomic>
-#include <vector>
-
-#include "quant.h"
+#include "quant_product.h"
 
 namespace {
-
-constexpr int64_t kTileRows = 8;   // weight rows per work item
 
 tmq::Format checked_format(int64_t type, int64_t K, const torch::Tensor& w) {
   tmq::Format f;
@@ -30,23 +22,6 @@ tmq::Format checked_format(int64_t type, int64_t K, const torch::Tensor& w) {
   return f;
 }
 
-// Runs fn(tile) for tiles 0..n-1 on torch's intra-op threads, each thread taking the next tile from a
-// shared counter: a thread the OS deschedules (another process on its core) holds up only the tile it has,
-// while the others take the rest. (A pool of our own would compete with torch's spinning OpenMP threads
-// for the same cores between the model's other operations; measured slower.)
-template <typename F>
-void for_tiles(int64_t n, const F& fn) {
-  int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1) {
-    for (int64_t t = 0; t < n; ++t) fn(t);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(t);
-  });
-}
-
 }  // namespace
 
 // x [M, K] float32 or bfloat16; w [N, bytes per row] uint8 -> y [M, N] in x's dtype.
@@ -55,41 +30,11 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "activation must be [M, ", K, "]");
   TORCH_CHECK(x_in.dtype() == torch::kFloat32 || x_in.dtype() == torch::kBFloat16, "activation must be float32 or bfloat16");
   torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  const int64_t M = x.size(0), N = w.size(0), nb = K / tmq::QK;
+  const int64_t M = x.size(0), N = w.size(0);
   torch::Tensor y = torch::empty({M, N}, torch::kFloat32);
-  if (M == 0 || N == 0) return y.to(x_in.dtype());
   {
     pybind11::gil_scoped_release nogil;
-    std::vector<int8_t> q(M * K);
-    std::vector<float> d(M * nb), s(M * nb);
-    const float* xp = x.data_ptr<float>();
-    for_tiles((M + 15) / 16, [&](int64_t t) {
-      for (int64_t m = t * 16; m < std::min(M, t * 16 + 16); ++m)
-        tmq::quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
-    });
-    std::vector<tmq::QRow> rows(M);
-    for (int64_t m = 0; m < M; ++m) rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    const int64_t row_bytes = w.size(1);
-    float* yp = y.data_ptr<float>();
-    // Decode (few rows): long tiles, so each thread streams long runs of weight rows; prompt chunks:
-    // short ones, whose weights stay in cache while every activation row passes over them.
-    const int64_t tile = M <= tmq::kRowGroup ? std::max<int64_t>(kTileRows, N / (16 * at::get_num_threads())) : kTileRows;
-    for_tiles((N + tile - 1) / tile, [&](int64_t t) {
-      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      float out[tmq::kRowGroup];
-      for (int64_t m0 = 0; m0 < M; m0 += tmq::kRowGroup) {
-        const int g = (int)std::min<int64_t>(tmq::kRowGroup, M - m0);
-        for (int64_t n = n0; n < n1; ++n) {
-          if (n + 2 < n1) {  // the weight stream two rows ahead
-            const char* ahead = (const char*)(wp + (n + 2) * row_bytes);
-            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
-          }
-          tmq::dot_rows((int)type, wp + n * row_bytes, rows.data() + m0, g, K, out);
-          for (int r = 0; r < g; ++r) yp[(m0 + r) * N + n] = out[r];
-        }
-      }
-    });
+    tmq::block_product((int)type, w.data_ptr<uint8_t>(), w.size(1), N, x, y.data_ptr<float>(), N);
   }
   return x_in.dtype() == torch::kFloat32 ? y : y.to(x_in.dtype());
 }
@@ -140,6 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &repack, "GGUF blocks into the kernel's layout of the same bytes", py::arg("blocks"),
         py::arg("type"), py::arg("K"), py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "rows of a block-quantized matrix as float32");
+  m.def("float_rows", [] { return tmq::float_rows.load(); }, "input rows from which products dequantize + GEMM");
+  m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(1, n)); });
 #ifdef TM_QUANT_AVX512
   m.attr("vectorized") = true;
 #else

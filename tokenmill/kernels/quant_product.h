@@ -1,0 +1,100 @@
+// Products with a block-format weight, y[M, N] = x[M, K] W^T, for both extensions (quant_kernels.cpp's
+// qmatmul, cpu_kernels.cpp's matrix_product): one place for the choice between two ways.
+//
+//  - Few input rows (decode, short chunks): the weight is read once, row by row, through quant.h's integer
+//    dot products, the inputs quantized to int8 in blocks of 32. The weight stream is the cost.
+//  - kFloatRows rows or more (prompt chunks): tiles of weight rows are dequantized to float32 and multiplied
+//    by torch's GEMM. The multiply-adds are the cost there, and a float GEMM does more of them per cycle
+//    than byte products without VNNI; the inputs also keep their float values (no int8 rounding), so a
+//    prompt's logits are those of the dequantized model.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "quant.h"
+
+namespace tmq {
+
+// From this many input rows on, dequantize + GEMM. Measured on a 2048 x 8192 matrix (2 AVX-512 cores without
+// VNNI): at 32 rows the byte products are still faster (~1.3x), at 64 the float GEMM is (~1.2x; ~1.6x at 256).
+// Settable (set_float_rows in each extension; TOKENMILL_QUANT_FLOAT_ROWS): a row's result depends on the
+// path its product took, so tests that compare schedules pin it, and benchmarks compare the two.
+constexpr int64_t kFloatRows = 48;
+inline std::atomic<int64_t> float_rows{kFloatRows};
+constexpr int64_t kDequantTileFloats = 1 << 20;  // 4 MiB of dequantized weight rows at a time
+
+// Runs fn(tile) for tiles 0..n-1 on torch's intra-op threads, each thread taking the next tile from a
+// shared counter: a thread the OS deschedules (another process on its core) holds up only the tile it has,
+// while the others take the rest. (A pool of our own would compete with torch's spinning OpenMP threads
+// for the same cores between the model's other operations; measured slower.)
+template <typename F>
+void for_tiles(int64_t n, const F& fn) {
+  int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    for (int64_t t = 0; t < n; ++t) fn(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(t);
+  });
+}
+
+// y [M, N] (float32, rows `ldy` apart) = x [M, K] (float32, contiguous) W^T, W: N rows of `row_bytes` in
+// block format `type` (quant.h's layout). Call it outside any parallel region, without the GIL.
+inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const torch::Tensor& x,
+                          float* y, int64_t ldy) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  if (M == 0 || N == 0) return;
+  const float* xp = x.data_ptr<float>();
+  if (M >= float_rows.load(std::memory_order_relaxed)) {
+    const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(64, kDequantTileFloats / K));
+    thread_local std::vector<float> scratch;  // kept between calls: a fresh one would fault its pages in
+    scratch.resize(tile * K);
+    float* buf = scratch.data();  // (the worker threads below have scratch vectors of their own)
+    for (int64_t n0 = 0; n0 < N; n0 += tile) {
+      const int64_t rows = std::min(tile, N - n0);
+      for_tiles((rows + 15) / 16, [&](int64_t t) {
+        for (int64_t n = t * 16; n < std::min(rows, t * 16 + 16); ++n)
+          dequantize_row(type, w + (n0 + n) * row_bytes, buf + n * K, K);
+      });
+      auto wt = torch::from_blob(buf, {rows, K}, torch::kFloat32);
+      auto out = torch::from_blob(y + n0, {M, rows}, {ldy, 1}, torch::kFloat32);
+      out.copy_(at::mm(x, wt.t()));
+    }
+    return;
+  }
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * nb), s(M * nb);
+  std::vector<QRow> rows(M);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
+    rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+  }
+  // A few rows: long tiles, so each thread streams long runs of weight rows (prefetched two rows ahead).
+  // More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.
+  const int64_t tile = M <= kRowGroup ? std::max<int64_t>(8, N / (16 * at::get_num_threads())) : 8;
+  for_tiles((N + tile - 1) / tile, [&](int64_t t) {
+    const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+    float out[kRowGroup];
+    for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
+      const int g = (int)std::min<int64_t>(kRowGroup, M - m0);
+      for (int64_t n = n0; n < n1; ++n) {
+        if (n + 2 < n1) {
+          const char* ahead = (const char*)(w + (n + 2) * row_bytes);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+        }
+        dot_rows(type, w + n * row_bytes, rows.data() + m0, g, K, out);
+        for (int r = 0; r < g; ++r) y[(m0 + r) * ldy + n] = out[r];
+      }
+    }
+  });
+}
+
+}  // namespace tmq
