@@ -103,16 +103,23 @@ def test_matmul_matches_float64(kernels, qtype, batch):
 
 def test_prompt_path_keeps_float_inputs(kernels):
     """The first rows of a long chunk come out as they would alone through the float path, and differ
-    from the int8 path's by its rounding: the two paths really are different."""
-    rng = np.random.default_rng(9)
-    data = random_blocks(T.Q4_K, 300, 512, rng)
-    w = quant.QuantizedWeight.from_blocks(int(T.Q4_K), (300, 512), torch.from_numpy(data))
-    x = torch.randn(kernels.float_rows(), 512)
-    want = x.double() @ w.dequantize().double().T
-    long = w.matmul(x).double()
-    short = w.matmul(x[:4]).double()
-    torch.testing.assert_close(long, want, rtol=1e-5, atol=1e-5)
-    assert (short - want[:4]).abs().max() > 100 * (long[:4] - want[:4]).abs().max()
+    from the int8 path's by its rounding: the two paths really are different. Rows of 2048 and 600 weight
+    rows take two dequantized tiles."""
+    before = kernels.float_rows()
+    kernels.set_float_rows(48)
+    try:
+        rng = np.random.default_rng(9)
+        for qtype, n, k in ((T.Q4_K, 300, 512), (T.Q4_0, 600, 2048)):
+            data = random_blocks(qtype, n, k, rng)
+            w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
+            x = torch.randn(48, k)
+            want = x.double() @ w.dequantize().double().T
+            long = w.matmul(x).double()
+            short = w.matmul(x[:4]).double()
+            torch.testing.assert_close(long, want, rtol=1e-5, atol=1e-5)
+            assert (short - want[:4]).abs().max() > 100 * (long[:4] - want[:4]).abs().max()
+    finally:
+        kernels.set_float_rows(before)
 
 
 def test_bfloat16_activations(kernels):

@@ -77,9 +77,6 @@ def fit_threads() -> int:
         torch.set_num_threads(usable)
     if _module is not None:
         _module.set_plan_threads(torch.get_num_threads())
-        from tokenmill.kernels.quant import _apply_float_rows_env
-
-        _apply_float_rows_env(_module)
     return torch.get_num_threads()
 
 
@@ -241,12 +238,13 @@ def load() -> object | None:
     try:
         _module = build(_SOURCE)
         _module.set_plan_threads(torch.get_num_threads())
-        from tokenmill.kernels.quant import _apply_float_rows_env
-
-        _apply_float_rows_env(_module)
     except Exception as e:  # no compiler, no headers: the torch path still works
         logger.warning("could not build the CPU decode kernels (%s); using torch's own", str(e).splitlines()[0])
         _module = None
+    else:
+        from tokenmill.kernels.quant import _apply_float_rows
+
+        _apply_float_rows(_module)
     return _module
 
 

@@ -68,26 +68,39 @@ def load():
         logger.warning("could not build the quantized-weight kernels (%s)", str(e).splitlines()[0])
         _module = None
     else:
-        _apply_float_rows_env(_module)
+        _apply_float_rows(_module)
         if not _module.vectorized:
             logger.info("quantized-weight kernels built without AVX-512 BW: using their portable C++ path")
     return _module
 
 
+_float_rows: int | None = None  # set_float_rows' value, for kernel modules loaded after it
+
+
 def set_float_rows(rows: int) -> None:
     """From how many input rows on a product dequantizes its weight tiles and multiplies float inputs by
-    torch's GEMM (below: int8 inputs and integer dot products); both kernel modules take it."""
+    torch's GEMM (below: int8 inputs and integer dot products); both kernel modules take it, now or when
+    they load."""
+    global _float_rows
     from tokenmill.kernels import cpu
 
-    for module in (load(), cpu.load()):
+    _float_rows = int(rows)
+    for module in (_module, cpu._module):
         if module is not None:
-            module.set_float_rows(int(rows))
+            module.set_float_rows(_float_rows)
 
 
-def _apply_float_rows_env(module) -> None:
-    value = os.environ.get("TOKENMILL_QUANT_FLOAT_ROWS")
-    if value:
-        module.set_float_rows(int(value))
+def _apply_float_rows(module) -> None:
+    """Into a freshly loaded kernel module: set_float_rows' value, else TOKENMILL_QUANT_FLOAT_ROWS where set
+    (a bad value is said and left out, not fatal)."""
+    rows, value = _float_rows, os.environ.get("TOKENMILL_QUANT_FLOAT_ROWS")
+    if rows is None and value:
+        try:
+            rows = int(value)
+        except ValueError:
+            logger.warning("TOKENMILL_QUANT_FLOAT_ROWS=%r is not a whole number: ignored", value)
+    if rows is not None:
+        module.set_float_rows(rows)
 
 
 def type_name(qtype: int) -> str:

@@ -73,10 +73,11 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * nb), s(M * nb);
   std::vector<QRow> rows(M);
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
-    rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
-  }
+  for_tiles((M + 7) / 8, [&](int64_t t) {  // (with float_rows raised, M may be a whole prompt chunk)
+    for (int64_t m = t * 8; m < std::min(M, t * 8 + 8); ++m)
+      quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
+  });
+  for (int64_t m = 0; m < M; ++m) rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
   // A few rows: long tiles, so each thread streams long runs of weight rows (prefetched two rows ahead).
   // More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.
   const int64_t tile = M <= kRowGroup ? std::max<int64_t>(8, N / (16 * at::get_num_threads())) : 8;
