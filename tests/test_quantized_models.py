@@ -189,6 +189,39 @@ def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant,
         assert errors.mean() < 0.06 and errors.max() < 0.5, (errors.mean(), errors.max())
 
 
+def test_fused_step_of_many_requests_on_the_float_path(quantized_files):
+    """A decode step of 48+ requests runs the fused decoder operation by operation, its block-format
+    products through dequantized tiles (a merged q/k/v in two formats: parts at row offsets). Reference:
+    the module path, teacher-forced on the fused tokens, every product pinned to the float path too, so
+    the two differ only in the order of float sums."""
+    from tokenmill.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU decode kernels do not run here")
+    before = quant.load().float_rows()
+    quant.set_float_rows(1)
+    try:
+        path = quantized_files["mixed"]
+        prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + i % 5)] for i in range(50)]
+        llm = _engine(path)
+        used = []
+        pick = llm.engine.model._fused_decoder
+        llm.engine.model._fused_decoder = lambda *a: used.append(pick(*a)) or used[-1]
+        runs = _greedy(llm, prompts, n=6)
+        assert any(f is not None for f in used)
+        reference = _engine(path)
+        reference.engine.model.use_fused_decode = False
+        gaps = []
+        for prompt, gen in zip(prompts, runs):
+            out = reference.generate([prompt + gen], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+            rows = [{t: lp.logprob for t, lp in row.items()} for row in out.prompt_logprobs[len(prompt):]]
+            gaps += [max(row.values()) - row[t] for row, t in zip(rows, gen)]
+        gaps = np.array(gaps)
+        assert np.mean(gaps == 0) >= 0.99 and gaps.max() < 0.05, (np.mean(gaps == 0), gaps.max())
+    finally:
+        quant.set_float_rows(before)
+
+
 def test_memory_is_the_files(quantized_files):
     """Resident weights: the file's tensor bytes (the blocks are not widened), norms in float32."""
     path = quantized_files["Q4_K_M"]
