@@ -116,7 +116,7 @@ def test_prompt_path_keeps_float_inputs(kernels):
             want = x.double() @ w.dequantize().double().T
             long = w.matmul(x).double()
             short = w.matmul(x[:4]).double()
-            torch.testing.assert_close(long, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(long, want, rtol=1e-4, atol=1e-4)  # float32 sums over K
             assert (short - want[:4]).abs().max() > 100 * (long[:4] - want[:4]).abs().max()
     finally:
         kernels.set_float_rows(before)
