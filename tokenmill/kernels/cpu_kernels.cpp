@@ -961,15 +961,14 @@ torch::Tensor matrix_product(const Matrix& W, const torch::Tensor& x, const c10:
   const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();
   for (size_t i = 0; i < W.parts.size(); ++i) {
     const MatrixPart& p = W.parts[i];
-    if (p.dense())
-      y.narrow(1, p.r0, p.r1 - p.r0).copy_(at::linear(x, W.tensors[i]));
-    else
-      tmq::block_product((int)p.type, reinterpret_cast<const uint8_t*>(p.data), p.row_bytes, p.r1 - p.r0, x32,
-                         y32.data_ptr<float>() + p.r0, W.N);
-  }
-  if constexpr (!kIsFloat<T>) {
-    for (const MatrixPart& p : W.parts)
-      if (!p.dense()) y.narrow(1, p.r0, p.r1 - p.r0).copy_(y32.narrow(1, p.r0, p.r1 - p.r0));
+    auto cols = y.narrow(1, p.r0, p.r1 - p.r0);
+    if (p.dense()) {
+      cols.copy_(at::linear(x, W.tensors[i]));
+      continue;
+    }
+    tmq::block_product((int)p.type, reinterpret_cast<const uint8_t*>(p.data), p.row_bytes, p.r1 - p.r0, x32,
+                       y32.data_ptr<float>() + p.r0, W.N);
+    if constexpr (!kIsFloat<T>) cols.copy_(y32.narrow(1, p.r0, p.r1 - p.r0));
   }
   if (bias) y.add_(*bias);
   return y;
