@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention import kv_format
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -90,6 +92,9 @@ class EngineConfig:
     # the whole budget): a step lasts as long as its prompt tokens take, and every decode in it waits.
     long_prefill_token_threshold: int = 512
     kv_cache_memory: int | str = "1GiB"
+    # "auto": the KV cache holds the model's dtype; "int8" / "fp8" (e4m3): 8-bit codes with a scale per
+    # token and KV head, about half the bytes of bfloat16 (a quarter of float32) per token.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -120,6 +125,7 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
+        self.kv_cache_dtype = kv_format.normalize(self.kv_cache_dtype)
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

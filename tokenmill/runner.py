@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from tokenmill.attention import kv_format
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.decode_graphs import DecodeGraphs
 from tokenmill.engine.request import Request
@@ -17,24 +18,25 @@ from tokenmill.model.arena import huge_page_buffer
 from tokenmill.sample.sampler import Sampler, token_logprobs
 
 
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_format.bytes_per_row(kv_cache_dtype, cfg.head_dim,
+                                                                                         dtype)
 
 
-def _cache_allocator(shape: tuple, dtype: torch.dtype, device: torch.device):
-    """Zeroed cache tensors. On the CPU they are slices of buffers advised to use huge pages: decode
-    attention reads rows from blocks scattered over a gigabyte, and with 4 KiB pages nearly every
-    block costs a TLB miss."""
+def _new_cache_tensor(device: torch.device):
+    """new(shape, dtype): a zeroed cache tensor. On the CPU, a buffer advised to use huge pages: decode
+    attention reads rows from blocks scattered over a gigabyte, and with 4 KiB pages nearly every block
+    costs a TLB miss."""
     if device.type != "cpu":
-        return lambda: torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return lambda: huge_page_buffer(nbytes).zero_().view(dtype).view(shape)
+        return lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
+    return lambda shape, dtype: huge_page_buffer(math.prod(shape) * dtype.itemsize).zero_().view(dtype).view(shape)
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 seed: int, decode_graphs: bool = False, max_model_len: int | None = None) -> None:
+                 seed: int, decode_graphs: bool = False, max_model_len: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -45,8 +47,15 @@ class ModelRunner:
         cfg = model.config
         # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
         # One block more than the pool hands out: the scratch block that padded decode rows write to.
-        shape = ((num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
-        new_cache = _cache_allocator(shape, dtype, device)
+        # In the model's dtype, or 8-bit codes and their scales (kv_format).
+        slots = (num_blocks + 1) * block_size
+        new_tensor = _new_cache_tensor(device)
+        if kv_cache_dtype == "auto":
+            def new_cache():
+                return new_tensor((slots, cfg.num_kv_heads, cfg.head_dim), dtype)
+        else:
+            def new_cache():
+                return kv_format.KVCache.allocate(kv_cache_dtype, slots, cfg.num_kv_heads, cfg.head_dim, new_tensor)
         self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_layers)]
         self.scratch_slot = num_blocks * block_size
         self.max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)

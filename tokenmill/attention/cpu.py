@@ -5,17 +5,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention import kv_format
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
 
 
 class TorchSDPABackend(AttentionBackend):
-    """Decodes in one batched SDPA call over gathered blocks; each prompt chunk in its own causal call."""
+    """Decodes in one batched SDPA call over gathered blocks; each prompt chunk in its own causal call.
+
+    The caches are tensors in the model's dtype or 8-bit kv_format.KVCache pairs. Attention always sees
+    the values the cache holds: with an 8-bit cache, a prompt chunk attends over its own K/V as read back,
+    so its numbers do not depend on how the prompt was split into chunks. (Read back into the model's
+    dtype: a bfloat16 model rounds code * scale to bfloat16 here, where the CPU decode kernels keep it in
+    float32.)"""
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window):
         # Write every new token first: requests in this batch may read blocks others write now.
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k = kv_format.write(k_cache, meta.slot_mapping, k)
+        v = kv_format.write(v_cache, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -30,8 +37,9 @@ class TorchSDPABackend(AttentionBackend):
     def _decode(q, k_cache, v_cache, meta, scale, window):
         kernels = cpu_kernels.load() if q.device.type == "cpu" else None
         if kernels is not None and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0 and q.shape[-1] <= 128:
-            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                                  meta.block_size, scale, window or 0)
+            kd, vd, ks, vs = kv_format.kernel_args(k_cache, v_cache)
+            return kernels.paged_decode_attention(q, kd, vd, meta.decode_block_tables, meta.decode_seq_lens,
+                                                  meta.block_size, scale, window or 0, ks, vs)
         # Portable path: gather each request's keys and values, then two batched matmuls.
         # Built once per step and reused by every layer; the mask once per distinct window.
         bt, bs = meta.decode_block_tables, meta.block_size
@@ -48,8 +56,8 @@ class TorchSDPABackend(AttentionBackend):
                 masked |= pos < lens - window
             meta.cache[mask_key] = masked[:, None, None, :]
         b, h, d = q.shape
-        keys = k_cache[slots]  # [B, L, KVH, D]
-        values = v_cache[slots]
+        keys = kv_format.read(k_cache, slots, q.dtype)  # [B, L, KVH, D]
+        values = kv_format.read(v_cache, slots, q.dtype)
         kvh = keys.shape[2]
         qg = q.view(b, kvh, h // kvh, d)  # query heads grouped by the KV head they share
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, KVH, G, L]
@@ -68,8 +76,8 @@ class TorchSDPABackend(AttentionBackend):
             return o.squeeze(0).transpose(0, 1)
         pos = torch.arange(seq_len, device=q.device)
         slots = block_table[pos // bs] * bs + pos % bs
-        keys = k_cache[slots].transpose(0, 1).unsqueeze(0)
-        values = v_cache[slots].transpose(0, 1).unsqueeze(0)
+        keys = kv_format.read(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+        values = kv_format.read(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
         qpos = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)
         mask = pos.unsqueeze(0) <= qpos
         if window is not None:

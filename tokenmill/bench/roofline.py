@@ -66,8 +66,9 @@ def weight_bytes(model) -> int:
 
 def kv_bytes_per_token(llm) -> int:
     """Bytes of K and V one token of context holds (read once per decoded token)."""
-    cfg = llm.engine.model.config
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(llm.engine.dtype).bits // 8
+    from tokenmill.runner import kv_bytes_per_block
+
+    return kv_bytes_per_block(llm.engine.model, 1, llm.engine.dtype, llm.engine.config.kv_cache_dtype)
 
 
 def matmul_params(model) -> int:

@@ -50,7 +50,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         bs = config.block_size
-        per_block = kv_bytes_per_block(self.model, bs, self.dtype)
+        per_block = kv_bytes_per_block(self.model, bs, self.dtype, config.kv_cache_dtype)
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {per_block} bytes")
@@ -61,14 +61,15 @@ class LLMEngine:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
                     num_blocks, bs, num_blocks * bs, num_blocks * per_block / 2**20,
-                    str(self.dtype).removeprefix("torch."), self.max_model_len)
+                    str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else
+                    f"{config.kv_cache_dtype}, a scale per token and KV head", self.max_model_len)
 
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype, config.seed,
                                   decode_graphs=self.device.type == "cuda" and not config.enforce_eager,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, kv_cache_dtype=config.kv_cache_dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.last_step = None  # the latest SchedulerOutput, for stats and tests

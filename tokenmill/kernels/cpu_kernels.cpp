@@ -3,7 +3,8 @@
 // - gemv_bf16: y = x W^T for a few rows of x. Decoding reads every weight once per step, so the step is
 //   bound by memory bandwidth; each thread streams its share of W once per pass over the rows.
 // - paged_decode_attention: single-query attention read straight from the paged KV cache through each
-//   request's block table (no gather into a copy).
+//   request's block table (no gather into a copy). The cache holds values in the activations' type, or
+//   8-bit codes (int8, fp8 e4m3) with a scale per token and KV head, read in place.
 // - FusedDecoderF32 / FusedDecoderBF16: a whole decode step of a Llama-family decoder (norms,
 //   projections, rotary, cache write, attention, SwiGLU, residuals) in one call, so that the hundreds of
 //   small per-layer tensor operations cost no Python dispatch. Activations, residual stream and KV cache
@@ -13,6 +14,7 @@
 // Every entry point releases the GIL: the server's event loop keeps running while a step computes.
 
 #include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -22,6 +24,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <limits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -359,27 +362,108 @@ inline void for_each_slot(const int64_t* table, int64_t bs, int64_t t0, int64_t 
   }
 }
 
+// ------------------------------------------------------------------------------- KV cache formats
+
+// How the KV cache holds a value: in the activations' type (kPlain), or as an 8-bit code with a
+// bfloat16 scale per cache slot and KV head, value = code * scale. The codes are int8 (kInt8) or fp8
+// e4m3 (kFp8); an e4m3 code widened bit for bit into a half float is its value / 256, so the kernels
+// read it with the half-float conversion and fold the 256 into the scale.
+enum class KVCode : int { kPlain = 0, kInt8 = 1, kFp8 = 2 };
+
+template <KVCode C>
+constexpr float kCodeUnit = C == KVCode::kFp8 ? 256.f : 1.f;
+
+// 16 codes as floats (before their scale).
+template <KVCode C>
+inline __m512 load_codes16(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (C == KVCode::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  } else {
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+// The largest magnitude a code holds: 127 (int8), 448 (e4m3).
+inline float code_max(KVCode c) { return c == KVCode::kFp8 ? 448.f : 127.f; }
+
+// Writes rows x [rows, D] of one token as codes [rows, D] and one bfloat16 scale per row:
+// scale = bf16(max |x| / code_max), code = x / scale clamped to the code's range and rounded (to nearest
+// even; e4m3 by c10's conversion). The same operations, in the same order, as KVCache.quantize in Python.
+template <typename T>
+void quantize_kv_rows(const T* x, int64_t rows, int64_t D, KVCode c, uint8_t* codes, uint16_t* scales) {
+  const float qmax = code_max(c);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * D;
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t d = 0; d < D; ++d) {
+      const float a = std::fabs(to_float(xr[d]));
+      finite = finite && std::isfinite(a);
+      amax = std::max(amax, a);
+    }
+    // A row holding NaN or infinity keeps no codes, and a NaN scale: it reads back as NaN.
+    const uint16_t sb = finite ? to_bf16(amax / qmax) : to_bf16(std::numeric_limits<float>::quiet_NaN());
+    const float s = from_bf16(sb);
+    scales[r] = sb;
+    uint8_t* out = codes + r * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float v = s > 0.f ? to_float(xr[d]) / s : 0.f;
+      if (c == KVCode::kInt8) {
+        out[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, v)))));
+      } else {
+        out[d] = c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, v))).x;
+      }
+    }
+  }
+}
+
+// One side (K or V) of a layer's cache as the attention kernels read it.
+struct KVSide {
+  const void* data;        // [slots, KV heads, head_dim]: values in the activations' type, or codes
+  const uint16_t* scales;  // [slots, KV heads] bfloat16; nullptr for kPlain
+};
+
+struct KVLayer {
+  KVSide k, v;
+  KVCode code;
+  int64_t value_bytes(int64_t T_bytes) const { return code == KVCode::kPlain ? T_bytes : 1; }
+};
+
 // Attention of one request's query heads over a range of its tokens, read through its block table,
-// for head_dim = 16 DV (a compile-time size, so a row and its accumulators stay in registers).
+// for head_dim = 16 DV (a compile-time size, so a row and its accumulators stay in registers), from a
+// cache of format C (codes are read in place: a key row converted and scaled once for the query heads that
+// share it, a value row's scale joined to each softmax weight).
 // A part covers the query heads of KV heads [kh0, kh1) and tokens [t0, t1). For each query head it
 // leaves, in float32, the largest score m, l = sum exp(score - m) and acc = sum exp(score - m) V;
 // parts over different token ranges combine exactly (see merge below). The cache rows come from
 // scattered blocks and each is used once, so they are prefetched a number of tokens ahead of use.
-template <typename T, int DV>
-void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_t b, int64_t kh0, int64_t kh1,
+template <typename T, KVCode C, int DV>
+void attend_part(const T* q, const KVLayer& kv, const int64_t* bt, int64_t b, int64_t kh0, int64_t kh1,
                  int64_t t0, int64_t t1, int64_t H, int64_t KVH, int64_t nb, int64_t bs, float scale,
                  float* m_out, float* l_out, float* acc_out, std::vector<float>& scores,
-                 std::vector<int64_t>& offsets) {
+                 std::vector<int64_t>& heads, std::vector<float>& keys) {
   constexpr int64_t D = DV * 16;
+  constexpr bool kCoded = C != KVCode::kPlain;
+  using E = std::conditional_t<kCoded, uint8_t, T>;  // a cache element
+  const E* kc = static_cast<const E*>(kv.k.data);
+  const E* vc = static_cast<const E*>(kv.v.data);
   const int64_t G = H / KVH, NH = (kh1 - kh0) * G, n = t1 - t0;
   scores.resize(NH * std::max<int64_t>(n, 1));
-  // The part's rows of a token are adjacent in its cache slot; their offsets are worked out once.
-  offsets.resize(std::max<int64_t>(n, 1));
-  for_each_slot(bt + b * nb, bs, t0, t1, [&](int64_t t, int64_t slot) { offsets[t - t0] = (slot * KVH + kh0) * D; });
-  auto rows = [&](const T* cache, int64_t t) { return cache + offsets[t - t0]; };
-  const int64_t row_bytes = (kh1 - kh0) * D * (int64_t)sizeof(T);
+  // The part's rows of a token are adjacent in its cache slot: heads[t - t0] = slot * KVH + kh0, the
+  // first of them (and the index of its scale).
+  heads.resize(std::max<int64_t>(n, 1));
+  for_each_slot(bt + b * nb, bs, t0, t1, [&](int64_t t, int64_t slot) { heads[t - t0] = slot * KVH + kh0; });
+  auto rows = [&](const E* cache, int64_t t) { return cache + heads[t - t0] * D; };
+  auto token_scale = [&](const uint16_t* scales, int64_t t, int64_t kh) {
+    return from_bf16(scales[heads[t - t0] + kh]) * kCodeUnit<C>;
+  };
+  const int64_t row_bytes = (kh1 - kh0) * D * (int64_t)sizeof(E);
   constexpr int64_t kAhead = 16;  // tokens
-  auto prefetch = [&](const T* cache, int64_t t, auto locality) {
+  auto prefetch = [&](const E* cache, int64_t t, auto locality) {
     if (t >= t1) return;
     const char* p = reinterpret_cast<const char*>(rows(cache, t));
     for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o, 0, decltype(locality)::value);
@@ -390,7 +474,9 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
 
   // Scores, 16 tokens at a time: a vector of partial products per token, their lanes summed for all
   // 16 together. bf16 rows are multiplied as bf16 pairs (vdpbf16ps: exact products, float32 sums);
-  // float32 rows with FMAs. The V rows of those tokens are asked into L2 on the way.
+  // float32 rows with FMAs. Code rows are first converted to float32 and scaled, once per KV head
+  // (into `keys`, 16 tokens' rows of the part), and then taken as float32 rows by each query head that
+  // shares them. The V rows of those tokens are asked into L2 on the way.
   const __m512 sc = _mm512_set1_ps(scale);
   constexpr int PAIRS = (DV + 1) / 2;  // 32-element pieces of a bf16 row, the last half empty for odd DV
   constexpr __mmask32 kLastPiece = DV % 2 ? 0xFFFFu : 0xFFFFFFFFu;
@@ -398,17 +484,43 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
     const __mmask32 mask = j == PAIRS - 1 ? kLastPiece : 0xFFFFFFFFu;
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p + j * 32);
   };
+  const int64_t KHn = kh1 - kh0, krow = KHn * D;  // a token's rows in `keys`
+  if constexpr (kCoded) keys.resize(16 * krow);
   for (int64_t ta = t0; ta < t1; ta += 16) {
     const int64_t cnt = std::min<int64_t>(16, t1 - ta);
     for (int64_t i = 0; i < cnt; ++i) {
       prefetch(kc, ta + i + kAhead, L1{});
       prefetch(vc, ta + i, L2{});
     }
+    if constexpr (kCoded) {
+      if (ta + kAhead < t1) {  // the scales of the next 16 tokens (a line holds 32 slots' of one head group)
+        __builtin_prefetch(kv.k.scales + heads[ta + kAhead - t0], 0, 3);
+        __builtin_prefetch(kv.v.scales + heads[ta + kAhead - t0], 0, 3);
+      }
+      for (int64_t i = 0; i < cnt; ++i)
+        for (int64_t kh = 0; kh < KHn; ++kh) {
+          const uint8_t* k = rows(kc, ta + i) + kh * D;
+          float* out = keys.data() + i * krow + kh * D;
+          const __m512 f = _mm512_set1_ps(token_scale(kv.k.scales, ta + i, kh));
+          for (int j = 0; j < DV; ++j) _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(load_codes16<C>(k + j * 16), f));
+        }
+    }
     for (int64_t h = 0; h < NH; ++h) {
       const T* qrow = q + (b * H + kh0 * G + h) * D;
       const int64_t off = h / G * D;  // the KV head's row within the part's rows
       __m512 part[16];
-      if constexpr (std::is_same_v<T, bf16>) {
+      if constexpr (kCoded) {
+        __m512 qh[DV];
+        for (int j = 0; j < DV; ++j) qh[j] = load16(qrow + j * 16);
+        for (int64_t i = 0; i < 16; ++i) {
+          __m512 s = _mm512_setzero_ps();
+          if (i < cnt) {
+            const float* k = keys.data() + i * krow + off;
+            for (int j = 0; j < DV; ++j) s = _mm512_fmadd_ps(qh[j], _mm512_loadu_ps(k + j * 16), s);
+          }
+          part[i] = s;
+        }
+      } else if constexpr (std::is_same_v<T, bf16>) {
         __m512bh qh[PAIRS];
         for (int j = 0; j < PAIRS; ++j) qh[j] = piece(qrow, j);
         for (int64_t i = 0; i < 16; ++i) {
@@ -455,7 +567,7 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
     l_out[h] = sum;
   }
   // acc = sum p V: each V row is converted once and used by up to GB of the query heads sharing it,
-  // their accumulators held in registers.
+  // their accumulators held in registers (a code row's scale joins each head's weight p).
   constexpr int GB = DV <= 4 ? 12 / DV : 1;
   for (int64_t t = t0; t < std::min(t1, t0 + kAhead); ++t) prefetch(vc, t, L1{});
   for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
@@ -467,12 +579,18 @@ void attend_part(const T* q, const T* kc, const T* vc, const int64_t* bt, int64_
         for (int j = 0; j < DV; ++j) a[g][j] = _mm512_setzero_ps();
       for (int64_t t = t0; t < t1; ++t) {
         prefetch(vc, t + kAhead, L1{});
-        const T* v = rows(vc, t) + kh * D;
+        const E* v = rows(vc, t) + kh * D;
         __m512 r[DV];
-        for (int j = 0; j < DV; ++j) r[j] = load16(v + j * 16);
+        float vs = 1.f;
+        if constexpr (kCoded) {
+          for (int j = 0; j < DV; ++j) r[j] = load_codes16<C>(v + j * 16);
+          vs = token_scale(kv.v.scales, t, kh);
+        } else {
+          for (int j = 0; j < DV; ++j) r[j] = load16(v + j * 16);
+        }
         for (int g = 0; g < GB; ++g) {
           if (g >= gc) break;
-          const __m512 pg = _mm512_set1_ps(p[g * n + t]);
+          const __m512 pg = _mm512_set1_ps(kCoded ? p[g * n + t] * vs : p[g * n + t]);
           for (int j = 0; j < DV; ++j) a[g][j] = _mm512_fmadd_ps(pg, r[j], a[g][j]);
         }
       }
@@ -524,7 +642,8 @@ struct AttentionPlan {
 
   struct Scratch {
     std::vector<float> scores;
-    std::vector<int64_t> offsets;
+    std::vector<int64_t> heads;
+    std::vector<float> keys;  // code rows converted to float32 (attend_part)
   };
 
   // Part i: request b's KV heads [kh0, kh1) over its tokens [t0, t1).
@@ -539,14 +658,23 @@ struct AttentionPlan {
   }
 
   template <typename T>
-  void run_part(int64_t i, const T* q, const T* kc, const T* vc, Scratch& s) {
+  void run_part(int64_t i, const T* q, const KVLayer& kv, Scratch& s) {
+    switch (kv.code) {
+      case KVCode::kPlain: return run_part_as<T, KVCode::kPlain>(i, q, kv, s);
+      case KVCode::kInt8: return run_part_as<T, KVCode::kInt8>(i, q, kv, s);
+      case KVCode::kFp8: return run_part_as<T, KVCode::kFp8>(i, q, kv, s);
+    }
+  }
+
+  template <typename T, KVCode C>
+  void run_part_as(int64_t i, const T* q, const KVLayer& kv, Scratch& s) {
     const auto [b, kh0, kh1, t0, t1] = part(i);
     float *mo = &m[i * per_part], *lo = &l[i * per_part], *ao = &acc[i * per_part * D];
     switch (D / 16) {  // head_dim is a multiple of 16, at most 128
-#define TOKENMILL_PART(DV)                                                                                   \
-  case DV:                                                                                                   \
-    return attend_part<T, DV>(q, kc, vc, bt, b, kh0, kh1, t0, t1, H, KVH, nb, bs, scale, mo, lo, ao, s.scores, \
-                              s.offsets);
+#define TOKENMILL_PART(DV)                                                                                  \
+  case DV:                                                                                                  \
+    return attend_part<T, C, DV>(q, kv, bt, b, kh0, kh1, t0, t1, H, KVH, nb, bs, scale, mo, lo, ao, s.scores, \
+                                 s.heads, s.keys);
       TOKENMILL_PART(1) TOKENMILL_PART(2) TOKENMILL_PART(3) TOKENMILL_PART(4)
       TOKENMILL_PART(5) TOKENMILL_PART(6) TOKENMILL_PART(7) TOKENMILL_PART(8)
 #undef TOKENMILL_PART
@@ -556,14 +684,20 @@ struct AttentionPlan {
   // Asks for part i's K and V rows into L2 ahead of run_part (they come from scattered blocks, and
   // run_part alone would mostly wait for them).
   template <typename T>
-  void prefetch_part(int64_t i, const T* kc, const T* vc) const {
+  void prefetch_part(int64_t i, const KVLayer& kv) const {
     const Part p = part(i);
-    const int64_t bytes = (p.kh1 - p.kh0) * D * (int64_t)sizeof(T);
-    for_each_slot(bt + p.b * nb, bs, p.t0, p.t1, [&](int64_t, int64_t slot) {
-      const int64_t off = (slot * KVH + p.kh0) * D;
+    const int64_t value = kv.value_bytes(sizeof(T)), bytes = (p.kh1 - p.kh0) * D * value;
+    const char* kc = static_cast<const char*>(kv.k.data);
+    const char* vc = static_cast<const char*>(kv.v.data);
+    for_each_slot(bt + p.b * nb, bs, p.t0, p.t1, [&](int64_t t, int64_t slot) {
+      const int64_t off = (slot * KVH + p.kh0) * D * value;
       for (int64_t o = 0; o < bytes; o += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kc + off) + o, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(vc + off) + o, 0, 2);
+        __builtin_prefetch(kc + off + o, 0, 2);
+        __builtin_prefetch(vc + off + o, 0, 2);
+      }
+      if (kv.code != KVCode::kPlain && (t == p.t0 || t % bs == 0)) {  // each block's scales
+        __builtin_prefetch(kv.k.scales + slot * KVH, 0, 2);
+        __builtin_prefetch(kv.v.scales + slot * KVH, 0, 2);
       }
     });
   }
@@ -603,13 +737,12 @@ inline int64_t plan_threads() {
 void set_plan_threads(int64_t n) { g_plan_threads.store(std::max<int64_t>(0, n)); }
 
 template <typename T>
-void decode_attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens, T* out,
-                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale,
-                      int64_t window) {
+void decode_attention(const T* q, const KVLayer& kv, const int64_t* bt, const int64_t* lens, T* out, int64_t B,
+                      int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale, int64_t window) {
   AttentionPlan plan(bt, lens, B, H, KVH, D, nb, bs, scale, window, plan_threads());
   at::parallel_for(0, plan.parts, 1, [&](int64_t i0, int64_t i1) {
     AttentionPlan::Scratch s;
-    for (int64_t i = i0; i < i1; ++i) plan.run_part<T>(i, q, kc, vc, s);
+    for (int64_t i = i0; i < i1; ++i) plan.run_part<T>(i, q, kv, s);
   });
   at::parallel_for(0, B * H, 16, [&](int64_t j0, int64_t j1) {
     std::vector<float> o(D);
@@ -1000,7 +1133,37 @@ struct LayerWeights {
   Matrix qkv, o, gate_up, down;
   c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
   int64_t window;  // the last `window` tokens; 0: all of them
+  torch::Tensor k_scale, v_scale;  // [slots, KV heads] bfloat16 where the cache holds 8-bit codes
+  KVCode code;
+
+  KVLayer kv() const {
+    auto scales = [](const torch::Tensor& t) {
+      return t.defined() ? reinterpret_cast<const uint16_t*>(t.data_ptr()) : nullptr;
+    };
+    return {{k_cache.data_ptr(), scales(k_scale)}, {v_cache.data_ptr(), scales(v_scale)}, code};
+  }
 };
+
+// The format of a layer's cache tensors: the activations' type `plain` with no scales, or 8-bit codes
+// (int8 or float8_e4m3fn) [slots, KV heads, head_dim] with bfloat16 scales [slots, KV heads].
+KVCode kv_code(const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& k_scale,
+               const c10::optional<torch::Tensor>& v_scale, torch::ScalarType plain) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.is_contiguous() && v.is_contiguous() &&
+              v.scalar_type() == k.scalar_type(), "k_cache, v_cache: contiguous [slots, KV heads, head_dim], one dtype");
+  const bool scaled = k_scale && k_scale->defined();
+  TORCH_CHECK(scaled == (v_scale && v_scale->defined()), "k_scale and v_scale go together");
+  if (k.scalar_type() == plain) {
+    TORCH_CHECK(!scaled, "a cache in the activations' dtype takes no scales");
+    return KVCode::kPlain;
+  }
+  TORCH_CHECK(k.scalar_type() == torch::kChar || k.scalar_type() == torch::kFloat8_e4m3fn,
+              "the KV cache holds the activations' dtype, int8 or float8_e4m3fn codes");
+  TORCH_CHECK(scaled, "an 8-bit KV cache needs its scales");
+  for (const auto* s : {&*k_scale, &*v_scale})
+    TORCH_CHECK(s->scalar_type() == torch::kBFloat16 && s->is_contiguous() && s->dim() == 2 &&
+                s->size(0) == k.size(0) && s->size(1) == k.size(1), "KV scales: contiguous bfloat16 [slots, KV heads]");
+  return k.scalar_type() == torch::kChar ? KVCode::kInt8 : KVCode::kFp8;
+}
 
 // Refuses block tables that would take attention outside the cache: each request's context, `grow`
 // tokens longer than seq_lens says (the last step of a burst), must be covered by its row of the table,
@@ -1063,20 +1226,22 @@ class FusedDecoder {
                  c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, const PartList& gate_up,
                  c10::optional<torch::Tensor> gate_up_bias, const PartList& down,
                  c10::optional<torch::Tensor> down_bias, torch::Tensor k_cache, torch::Tensor v_cache,
-                 int64_t window) {
+                 int64_t window, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
     const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
-    for (const auto* t : {&input_norm, &post_norm, &k_cache, &v_cache})
-      TORCH_CHECK(t->scalar_type() == kDtype && t->is_contiguous(), "norms and caches: contiguous, in the decoder's dtype");
+    for (const auto* t : {&input_norm, &post_norm})
+      TORCH_CHECK(t->scalar_type() == kDtype && t->is_contiguous(), "norms: contiguous, in the decoder's dtype");
+    const KVCode code = kv_code(k_cache, v_cache, k_scale, v_scale, kDtype);
     for (const auto* t : {&qkv_bias, &o_bias, &gate_up_bias, &down_bias, &q_norm, &k_norm})
       TORCH_CHECK(!*t || !(*t)->defined() || (*t)->scalar_type() == kDtype, "biases and norms: the decoder's dtype");
     LayerWeights<T> L{input_norm, post_norm, k_cache, v_cache, make_matrix<T>(qkv, hidden_, "qkv"),
                       make_matrix<T>(o, QS, "o"), make_matrix<T>(gate_up, hidden_, "gate_up"),
                       make_matrix<T>(down, I_, "down"), opt(qkv_bias), opt(o_bias), opt(gate_up_bias),
-                      opt(down_bias), opt(q_norm), opt(k_norm), window};
+                      opt(down_bias), opt(q_norm), opt(k_norm), window,
+                      code == KVCode::kPlain ? torch::Tensor() : *k_scale,
+                      code == KVCode::kPlain ? torch::Tensor() : *v_scale, code};
     TORCH_CHECK(L.qkv.N == QKV && k_cache.size(1) == KVH_ && k_cache.size(2) == D_,
                 "layer shapes do not match the decoder's heads");
     TORCH_CHECK(L.o.N == hidden_ && L.gate_up.N == 2 * I_ && L.down.N == hidden_, "layer shapes do not match the decoder's sizes");
-    TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "k_cache, v_cache: [slots, KV heads, head_dim]");
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
     cache_slots_ = layers_.empty() ? k_cache.size(0) : std::min(cache_slots_, k_cache.size(0));
     layers_.push_back(std::move(L));
@@ -1350,8 +1515,15 @@ class FusedDecoder {
     for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
     std::memcpy(q + b * QS, qb, QS * sizeof(T));
     const int64_t slot = s.slot[b];
-    std::memcpy(reinterpret_cast<T*>(L.k_cache.data_ptr()) + slot * KVS, kb, KVS * sizeof(T));
-    std::memcpy(reinterpret_cast<T*>(L.v_cache.data_ptr()) + slot * KVS, vb, KVS * sizeof(T));
+    if (L.code == KVCode::kPlain) {
+      std::memcpy(reinterpret_cast<T*>(L.k_cache.data_ptr()) + slot * KVS, kb, KVS * sizeof(T));
+      std::memcpy(reinterpret_cast<T*>(L.v_cache.data_ptr()) + slot * KVS, vb, KVS * sizeof(T));
+      return;
+    }
+    auto codes = [&](const torch::Tensor& c) { return reinterpret_cast<uint8_t*>(c.data_ptr()) + slot * KVS; };
+    auto scales = [&](const torch::Tensor& c) { return reinterpret_cast<uint16_t*>(c.data_ptr()) + slot * KVH_; };
+    quantize_kv_rows(kb, KVH_, D_, L.code, codes(L.k_cache), scales(L.k_scale));
+    quantize_kv_rows(vb, KVH_, D_, L.code, codes(L.v_cache), scales(L.v_scale));
   }
 
   // The step's intermediate results, shared by the threads of a team.
@@ -1395,16 +1567,15 @@ class FusedDecoder {
     for (size_t li = 0; li < layers_.size(); ++li) {
       const LayerWeights<T>& L = layers_[li];
       AttentionPlan& plan = plans[li];
-      const Attn* kc = reinterpret_cast<const Attn*>(L.k_cache.data_ptr());
-      const Attn* vc = reinterpret_cast<const Attn*>(L.v_cache.data_ptr());
+      const KVLayer kv = L.kv();
       rms_norm_rows(xp, data(L.input_norm), h, B, hidden, eps_);
       input(L.qkv, h);
       matrix_rows(L.qkv, h, ts.xq, B, r0, r1, data(L.qkv_bias), qkv, false, walks);
-      for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<Attn>(i, kc, vc);
+      for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<Attn>(i, kv);
       barrier.wait(n);
       for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv + b * QKV, buf.q.data());
       barrier.wait(n);
-      for (int64_t i = w; i < plan.parts; i += n) plan.run_part<Attn>(i, qh, kc, vc, ts.scratch);
+      for (int64_t i = w; i < plan.parts; i += n) plan.run_part<Attn>(i, qh, kv, ts.scratch);
       barrier.wait(n);
       for (int64_t j = j0; j < j1; ++j) plan.merge<Attn>(j, attn_h, ts.merged.data());
       barrier.wait(n);
@@ -1555,8 +1726,7 @@ class FusedDecoder {
       rms_norm_rows(xp, data(L.input_norm), data_mut(h), B, hidden, eps_);
       auto qkv = matrix_product<T>(L.qkv, h, L.qkv_bias);
       for (int64_t b = 0; b < B; ++b) place_token(L, s, b, data_mut(qkv) + b * (QS + 2 * KVS), data_mut(q));
-      decode_attention<Attn>(attn_ptr(data(q)), reinterpret_cast<const Attn*>(L.k_cache.data_ptr()),
-                             reinterpret_cast<const Attn*>(L.v_cache.data_ptr()), s.bt, s.lens, attn_ptr(data_mut(attn)),
+      decode_attention<Attn>(attn_ptr(data(q)), L.kv(), s.bt, s.lens, attn_ptr(data_mut(attn)),
                              B, H_, KVH_, D_, s.nb, bs_, scale_, L.window);
       auto o = matrix_product<T>(L.o, attn, L.o_bias);
       add_into(xp, data(o), B * hidden);
@@ -1594,9 +1764,11 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
-                                     double scale, int64_t window) {
+                                     double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
+                                     c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
+  const KVCode code = kv_code(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
   q = q.contiguous();
   auto bt = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
@@ -1609,17 +1781,36 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(D % 16 == 0 && D <= 128, "head_dim must be a multiple of 16, at most 128");
   check_block_tables(bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B, nb, block_size, k_cache.size(0) / block_size,
                      0);
+  auto scales = [&](const c10::optional<torch::Tensor>& t) {
+    return code == KVCode::kPlain ? nullptr : reinterpret_cast<const uint16_t*>(t->data_ptr());
+  };
+  const KVLayer kv{{k_cache.data_ptr(), scales(k_scale)}, {v_cache.data_ptr(), scales(v_scale)}, code};
   if (q.scalar_type() == torch::kFloat) {
-    decode_attention<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                            bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D,
-                            nb, block_size, (float)scale, window);
+    decode_attention<float>(q.data_ptr<float>(), kv, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                            out.data_ptr<float>(), B, H, KVH, D, nb, block_size, (float)scale, window);
   } else {
-    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
-    decode_attention<bf16>(q.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
-                           bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), B, H, KVH, D, nb,
-                           block_size, (float)scale, window);
+    decode_attention<bf16>(q.data_ptr<bf16>(), kv, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                           out.data_ptr<bf16>(), B, H, KVH, D, nb, block_size, (float)scale, window);
   }
   return out;
+}
+
+// Codes and scales of rows x [rows, KV heads, head_dim] (float32 or bfloat16) as the decoder writes them
+// to an 8-bit cache (code: "int8" or "fp8"): the reference the Python writer is held to.
+std::vector<torch::Tensor> quantize_kv(torch::Tensor x, const std::string& code) {
+  TORCH_CHECK(code == "int8" || code == "fp8", "code must be int8 or fp8");
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "x: float32 or bfloat16 [rows, KV heads, head_dim]");
+  x = x.contiguous();
+  const KVCode c = code == "int8" ? KVCode::kInt8 : KVCode::kFp8;
+  const int64_t R = x.size(0) * x.size(1), D = x.size(2);
+  auto codes = torch::empty(x.sizes(), x.options().dtype(c == KVCode::kInt8 ? torch::kChar : torch::kFloat8_e4m3fn));
+  auto scales = torch::empty({x.size(0), x.size(1)}, x.options().dtype(torch::kBFloat16));
+  auto* cp = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  auto* sp = reinterpret_cast<uint16_t*>(scales.data_ptr());
+  if (x.scalar_type() == torch::kFloat) quantize_kv_rows(x.data_ptr<float>(), R, D, c, cp, sp);
+  else quantize_kv_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), R, D, c, cp, sp);
+  return {codes, scales};
 }
 
 torch::Tensor argmax_rows(torch::Tensor x) {
@@ -1643,7 +1834,10 @@ void bind_decoder(pybind11::module& m, const char* name) {
   py::class_<D>(m, name)
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, const PartList&,
                     const PartList&, torch::Tensor, torch::Tensor>())
-      .def("add_layer", &D::add_layer)
+      .def("add_layer", &D::add_layer, py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("o"), py::arg("o_bias"), py::arg("post_norm"), py::arg("gate_up"),
+           py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("window"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none())
       .def("forward", &D::forward, release())
       .def("decode_greedy", &D::decode_greedy, release())
       .def("logits", &D::logits, release())
@@ -1658,7 +1852,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("gemv_bf16", &gemv_bf16, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), release());
   m.attr("max_gemv_rows") = py::int_(kMaxGemvRows);
-  m.def("paged_decode_attention", &paged_decode_attention, release());
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), release());
+  m.def("quantize_kv", &quantize_kv, release());
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_plan_threads", &set_plan_threads);
   m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(1, n)); },

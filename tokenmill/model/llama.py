@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.attention import kv_format
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
@@ -210,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
             fused.add_layer(t(layer.input_layernorm), a.qkv_proj.fused_parts(), t(a.qkv_proj, "bias"), t(a.q_norm),
                             t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.post_attention_layernorm),
                             m.gate_up_proj.fused_parts(), t(m.gate_up_proj, "bias"), m.down_proj.fused_parts(),
-                            t(m.down_proj, "bias"), k_cache, v_cache, a.sliding_window or 0)
+                            t(m.down_proj, "bias"), *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0))
         return fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
