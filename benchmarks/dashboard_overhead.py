@@ -9,6 +9,12 @@ while the load runs (docs/dashboard.png).
 
 With --browser-cpu, instead: the CPU time the browser's process tree spends showing the page for 30 s
 while 4 chats run back to back, and the round trip of /dashboard/stats meanwhile (needs psutil).
+
+With --server-cpu, instead: the CPU time the server process spends answering the page's poll. After a
+load has filled the timeline, the server's CPU time is read over --seconds with no requests, then over
+--seconds with /dashboard/stats?since=... asked --poll-hz times a second (the page asks once a second);
+the difference per answer is the engine time one poll can take (the answer is Python holding the GIL, so
+this bounds what it takes from the engine thread), and its share at one poll a second is the cost.
 """
 
 from __future__ import annotations
@@ -109,6 +115,35 @@ def browser_cpu(url: str, seconds: float = 30.0) -> None:
             page.quit()
 
 
+def server_cpu(server, seconds: float, poll_hz: float) -> None:
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+
+    def cpu():
+        t = proc.cpu_times()
+        return t.user + t.system
+
+    asyncio.run(load(server.url, 32, 8, 32))  # the timeline gets points to send
+    time.sleep(2)
+    c0, t0 = cpu(), time.time()
+    time.sleep(seconds)
+    idle = (cpu() - c0) / (time.time() - t0)
+    calls, sizes = 0, []
+    c0, t0 = cpu(), time.time()
+    with httpx.Client(timeout=30) as client:
+        while time.time() - t0 < seconds:
+            r = client.get(server.url + f"/dashboard/stats?since={int(time.time()) - 3}")
+            sizes.append(len(r.content))
+            calls += 1
+            time.sleep(max(0.0, t0 + calls / poll_hz - time.time()))
+        polled = (cpu() - c0) / (time.time() - t0)
+    per_call = (polled - idle) * (time.time() - t0) / calls
+    print(f"server CPU: idle {idle * 100:.2f}% of one CPU, polled {poll_hz:g}/s {polled * 100:.2f}%; "
+          f"{per_call * 1000:.2f} ms per answer ({statistics.median(sizes)} bytes); at the page's one poll a "
+          f"second: {per_call * 100:.3f}% of one CPU")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="default: the built-in default model")
@@ -118,13 +153,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--screenshot", default=None)
     ap.add_argument("--browser-cpu", action="store_true")
+    ap.add_argument("--server-cpu", action="store_true")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--poll-hz", type=float, default=20.0)
     args = ap.parse_args()
     from tokenmill.model.hub import pull
 
     server = ServerProcess(args.model or pull())
-    if args.browser_cpu:
+    if args.browser_cpu or args.server_cpu:
         try:
-            browser_cpu(server.url)
+            if args.browser_cpu:
+                browser_cpu(server.url)
+            else:
+                server_cpu(server, args.seconds, args.poll_hz)
         finally:
             server.stop()
         return
