@@ -12,6 +12,10 @@ minutes at a time); figures are medians over rounds.
 --attention-only times the decode attention kernel alone (paged_decode_attention, one request, the
 default model's heads: 9 query heads, 3 KV heads of 64) over a cache of each format, kinds alternated
 call block by call block, and reports microseconds per layer and the cache bytes read per second.
+
+--capacity runs, in a fresh process per kind and round, 32 requests of 400-token prompts and 64 greedy
+tokens each through a small cache (--kv-cache-memory, e.g. 64MiB) and reports output tokens per second,
+the most requests running at once and the preemptions: what the room of an 8-bit cache buys.
 """
 
 from __future__ import annotations
@@ -45,6 +49,49 @@ while engine.has_unfinished_requests():
 print(json.dumps({"tok_s": (tokens + 1 - first) / (time.perf_counter() - start),
                   "capacity": engine.num_blocks * engine.config.block_size}))
 """
+
+
+_CAPACITY = r"""
+import json, sys, time
+from tokenmill import LLM, SamplingParams
+model, kind, memory = sys.argv[1] or None, sys.argv[2], sys.argv[3]
+llm = LLM(model, dtype="float32", kv_cache_memory=memory, kv_cache_dtype=kind, enable_prefix_caching=False)
+prompts = [[(i * 7919 + r * 104729) % 40000 + 100 for i in range(400)] for r in range(32)]
+sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+engine = llm.engine
+most = 0
+step = engine.step
+def counting(*a, **k):
+    global most
+    out = step(*a, **k)
+    most = max(most, len(engine.scheduler.running))
+    return out
+engine.step = counting
+before = engine.scheduler.num_preemptions
+t = time.perf_counter()
+llm.generate(prompts, sp, use_tqdm=False)
+print(json.dumps({"tok_s": 32 * 64 / (time.perf_counter() - t), "running": most,
+                  "preemptions": engine.scheduler.num_preemptions - before}))
+"""
+
+
+def capacity(model: str | None, memory: str, rounds: int) -> None:
+    results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    for r in range(rounds):
+        for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
+            out = subprocess.run([sys.executable, "-c", _CAPACITY, model or "", kind, memory], capture_output=True,
+                                 text=True, check=True)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            results[kind].append(res)
+            print(f"round {r} {kind}: {res}", file=sys.stderr)
+    print(f"| kv_cache_dtype ({memory}) | output tok/s, median (runs) | most running | preemptions |")
+    print("| --- | --- | --- | --- |")
+    for kind in KINDS:
+        rows = results[kind]
+        runs = ", ".join(f"{x['tok_s']:.1f}" for x in rows)
+        print(f"| {kind} | {statistics.median(x['tok_s'] for x in rows):.1f} ({runs}) | {rows[0]['running']} | "
+              f"{rows[0]['preemptions']} |")
 
 
 def run(model: str, kind: str, context: int, tokens: int, memory: str) -> dict:
@@ -105,7 +152,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--attention-only", action="store_true")
+    p.add_argument("--capacity", action="store_true")
     args = p.parse_args()
+    if args.capacity:
+        capacity(args.model, args.kv_cache_memory, args.rounds)
+        return
     if args.attention_only:
         attention_only(args.contexts, args.rounds)
         return
