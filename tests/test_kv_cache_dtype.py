@@ -107,7 +107,7 @@ def _quantized_case(kind, lens, h, kvh, d, bs, dtype, seed):
 
 def _reference(q, k, v, bt, lens, bs, window, scale):
     """float64 attention over the values the caches hold."""
-    slots = torch.arange(k.shape[0])
+    slots = torch.arange(k.codes.shape[0])
     keys, values = k.read(slots, torch.float64), v.read(slots, torch.float64)
     out = torch.empty(q.shape, dtype=torch.float64)
     for i in range(q.shape[0]):

@@ -48,14 +48,11 @@ class ModelRunner:
         # One (K, V) pair per layer, each a flat array of slots; slot = block_id * block_size + offset.
         # One block more than the pool hands out: the scratch block that padded decode rows write to.
         # In the model's dtype, or 8-bit codes and their scales (kv_format).
-        slots = (num_blocks + 1) * block_size
         new_tensor = _new_cache_tensor(device)
-        if kv_cache_dtype == "auto":
-            def new_cache():
-                return new_tensor((slots, cfg.num_kv_heads, cfg.head_dim), dtype)
-        else:
-            def new_cache():
-                return kv_format.KVCache.allocate(kv_cache_dtype, slots, cfg.num_kv_heads, cfg.head_dim, new_tensor)
+
+        def new_cache():
+            return kv_format.new_cache(kv_cache_dtype, (num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim,
+                                       dtype, new_tensor)
         self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_layers)]
         self.scratch_slot = num_blocks * block_size
         self.max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)

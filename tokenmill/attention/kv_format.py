@@ -53,10 +53,6 @@ class KVCache:
         return cls(new_tensor((slots, kv_heads, head_dim), code_dtype), new_tensor((slots, kv_heads), torch.bfloat16),
                    kind)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
     def data_ptr(self) -> int:
         return self.codes.data_ptr()
 
@@ -91,6 +87,14 @@ class KVCache:
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The values at `slots` (any shape S) as [*S, KV heads, head_dim] in dtype."""
         return self.dequantize(self.codes.view(torch.uint8)[slots].view(self.codes.dtype), self.scales[slots], dtype)
+
+
+def new_cache(kv_cache_dtype: str, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, new_tensor):
+    """One layer's K or V cache: a tensor [slots, KV heads, head_dim] in dtype ("auto"), or an 8-bit
+    KVCache. new_tensor(shape, dtype) gives a zeroed tensor."""
+    if kv_cache_dtype == "auto":
+        return new_tensor((slots, kv_heads, head_dim), dtype)
+    return KVCache.allocate(kv_cache_dtype, slots, kv_heads, head_dim, new_tensor)
 
 
 def write(cache, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
