@@ -131,6 +131,23 @@ def test_paged_decode_attention_head_shapes(dtype, d, h, kvh):
         assert torch.allclose(out.double(), ref[rows], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+def test_paged_decode_attention_is_the_same_in_any_batch(dtype, window):
+    """A request's attention output does not depend on the other requests of the step, bit for bit: the
+    split of its tokens over threads follows its own context length. (Verifying several positions of a
+    request as rows of their own then computes each as a plain decode step of that position would.)"""
+    d, bs = 64, 16
+    lens = [300, 7, 45, 64, 129, 1000, 2]
+    q, k_cache, v_cache, bt, lens_t = _random_requests(lens, 8, 2, d, bs, dtype, seed=11)
+    scale = d ** -0.5
+    together = kernel.paged_decode_attention(q, k_cache, v_cache, bt, lens_t, bs, scale, window or 0)
+    for rows in ([0], [5], [1, 2], [0, 3, 4, 6], list(range(len(lens)))[::-1]):
+        apart = kernel.paged_decode_attention(q[rows], k_cache, v_cache, bt[rows], lens_t[rows], bs, scale,
+                                              window or 0)
+        assert torch.equal(apart, together[rows]), rows
+
+
 def test_argmax_matches_torch():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 49157, generator=g)  # a length that leaves a tail after the 16-wide steps

@@ -604,36 +604,42 @@ void attend_part(const T* q, const KVLayer& kv, const int64_t* bt, int64_t b, in
 // request's KV heads over a range of its tokens: a token's K (and V) rows of every head are adjacent in
 // its slot, so a part reads each block front to back, a stream the hardware prefetches (parts of one
 // head each read every third row piece, and mostly wait for memory). Each request's tokens are split
-// into as many ranges as it takes for the parts to come out even over the threads, while ranges stay
-// kMinChunk tokens or longer; where that still leaves fewer parts than threads (one short request),
-// parts go per KV head instead. Parts are then merged per query head: with M the largest m,
-// out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. The plan depends only on the context lengths
-// and the window, so a decode step makes it once for all its layers of one window.
+// into one range per planned thread, while ranges stay kMinChunk tokens or longer; where that leaves
+// fewer parts than threads (one short request), parts go per KV head instead. Parts are then merged
+// per query head: with M the largest m, out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
+// A request's ranges depend on its own context length alone, never on the other requests of the step
+// (a per-head split sums each head as one range does): its numbers are the same in any batch, so a
+// step that verifies several of a request's positions as rows of their own computes each as a step of
+// that position alone would. The plan depends only on the context lengths and the window, so a decode
+// step makes it once for all its layers of one window.
 struct AttentionPlan {
-  int64_t B, H, KVH, D, G, nb, bs, window, head_groups, heads_per_group, chunks = 1, parts, per_part;
+  int64_t B, H, KVH, D, G, nb, bs, window, head_groups, heads_per_group, parts, per_part;
   float scale;
   const int64_t* bt;
   const int64_t* lens;
+  std::vector<int64_t> chunks, first;  // per request: its token ranges, and the index of its first part
   std::vector<float> m, l, acc;  // per part and query head: the largest score, exp-sum and V-sum
 
   AttentionPlan(const int64_t* block_tables, const int64_t* seq_lens, int64_t B_, int64_t H_, int64_t KVH_,
                 int64_t D_, int64_t nb_, int64_t bs_, float scale_, int64_t window_, int64_t threads)
       : B(B_), H(H_), KVH(KVH_), D(D_), G(H_ / KVH_), nb(nb_), bs(bs_), window(window_), scale(scale_),
         bt(block_tables), lens(seq_lens) {
-    int64_t longest = 0;
-    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b]);
     constexpr int64_t kMinChunk = 32;  // tokens: shorter ranges cost more in merging than they save
-    // A part per thread for one request (each thread's tokens one range: fewer, longer parts run faster);
-    // a few requests each split in two or more, so that unequal lengths even out; among the counts
-    // possible, the largest that divides evenly over the threads.
-    const int64_t most = B >= 2 * threads ? 1 : std::max<int64_t>(2, threads / B);
-    for (int64_t c = 2; threads > 1 && c <= most && longest / c >= kMinChunk; ++c)
-      if (B * c % threads == 0 || B * chunks % threads != 0) chunks = c;
-    const bool per_head = B * chunks < threads;
-    if (per_head) chunks = 1;
+    chunks.resize(B);
+    first.resize(B + 1);
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = window > 0 ? std::min(lens[b], window) : lens[b];
+      chunks[b] = std::max<int64_t>(1, std::min<int64_t>(threads, len / kMinChunk));
+      total += chunks[b];
+    }
+    const bool per_head = total < threads;
+    if (per_head) std::fill(chunks.begin(), chunks.end(), 1);
     head_groups = per_head ? KVH : 1;
     heads_per_group = per_head ? 1 : KVH;
-    parts = B * head_groups * chunks;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + head_groups * chunks[b];
+    parts = first[B];
     per_part = heads_per_group * G;
     m.resize(parts * per_part);
     l.resize(parts * per_part);
@@ -651,10 +657,11 @@ struct AttentionPlan {
     int64_t b, kh0, kh1, t0, t1;
   };
   Part part(int64_t i) const {
-    const int64_t b = i / (head_groups * chunks), kg = i / chunks % head_groups, c = i % chunks;
+    const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    const int64_t n = chunks[b], kg = (i - first[b]) / n, c = (i - first[b]) % n;
     const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    return {b, kg * heads_per_group, (kg + 1) * heads_per_group, start + (len - start) * c / chunks,
-            start + (len - start) * (c + 1) / chunks};
+    return {b, kg * heads_per_group, (kg + 1) * heads_per_group, start + (len - start) * c / n,
+            start + (len - start) * (c + 1) / n};
   }
 
   template <typename T>
@@ -706,13 +713,13 @@ struct AttentionPlan {
   template <typename T>
   void merge(int64_t j, T* out, float* o) const {
     const int64_t b = j / H, h = j % H, kg = (h / G) / heads_per_group, hh = h - kg * per_part;
-    const int64_t first = (b * head_groups + kg) * chunks;
+    const int64_t n = chunks[b], p0 = first[b] + kg * n;
     float M = -INFINITY;
-    for (int64_t c = 0; c < chunks; ++c) M = std::max(M, m[(first + c) * per_part + hh]);
+    for (int64_t c = 0; c < n; ++c) M = std::max(M, m[(p0 + c) * per_part + hh]);
     float denom = 0.f;
     std::fill(o, o + D, 0.f);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t k = (first + c) * per_part + hh;
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t k = (p0 + c) * per_part + hh;
       if (l[k] == 0.f) continue;  // an empty token range
       const float w = std::exp(m[k] - M);
       denom += w * l[k];
