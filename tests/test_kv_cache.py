@@ -85,6 +85,96 @@ def test_pool_invariants_under_random_traffic(ops, num_blocks, budget, caching):
     assert kv.pool.num_free == num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
 
 
+def _next(tokens: list[int]) -> int:
+    return (sum(tokens) * 31 + len(tokens)) % 7  # fake_model's rule
+
+
+def verifying_model(sched) -> ModelOutput:
+    """fake_model, verifying proposals: each proposal kept while it equals the rule's token."""
+    out = ModelOutput()
+    for s in sched.scheduled:
+        if s.samples:
+            tokens = s.request.all_token_ids
+            chosen = [_next(tokens)]
+            for d in s.spec_token_ids:
+                if d != chosen[-1]:
+                    break
+                tokens = tokens + [d]
+                chosen.append(_next(tokens))
+            out.sampled[s.request.request_id] = chosen[0]
+            if s.spec_token_ids:
+                out.spec_sampled[s.request.request_id] = chosen[1:]
+    return out
+
+
+def _propose(sch: Scheduler, draw) -> None:
+    """Proposals for running decodes, as the engine makes them: right or wrong tokens, never past
+    max_tokens or the context."""
+    for req in sch.running:
+        req.spec_token_ids = []
+        if req.num_tokens - req.num_computed_tokens != 1:
+            continue
+        k = min(draw(st.integers(0, 4)), req.max_tokens - req.num_output_tokens - 1,
+                sch.max_model_len - req.num_tokens - 1)
+        tokens = req.all_token_ids
+        for _ in range(max(k, 0)):
+            t = _next(tokens) if draw(st.booleans()) else draw(st.integers(0, 6))
+            req.spec_token_ids.append(t)
+            tokens = tokens + [t]
+
+
+def _spec_step(sch: Scheduler, draw, budget: int) -> None:
+    out = sch.schedule()
+    assert out.num_batched_tokens <= budget and len(sch.running) <= 4
+    for result in verifying_model(out).passes():
+        sch.update(out, result)
+    sch.release_rejected(out)
+    for s in out.scheduled:  # a request that verified keeps only the blocks of its computed tokens
+        if s.spec_token_ids and not s.request.is_finished:
+            assert len(s.request.block_ids) == -(-s.request.num_computed_tokens // BS)
+    _propose(sch, draw)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, num_blocks=st.integers(6, 24), budget=st.integers(1, 16), caching=st.booleans(), data=st.data())
+def test_pool_invariants_under_random_traffic_with_speculation(ops, num_blocks, budget, caching, data):
+    """The same traffic with proposed tokens verified in steps: accepted runs, rejected tails, proposals
+    cut by the budget or by free blocks, preemption. No block leaks, none is shared without a hash, and
+    each request's tokens are those the rule gives (proposals never change outputs)."""
+    kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
+    sch = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=num_blocks * BS)
+    reqs = []
+    for op in ops:
+        if op[0] == "add":
+            _, prefix, length, max_tokens, salt = op
+            prompt = ([prefix] * 5 + list(range(20)))[:length]
+            max_tokens = min(max_tokens, sch.max_model_len - length)
+            if max_tokens < 1:
+                continue
+            reqs.append(Request(f"r{len(reqs)}", prompt, SamplingParams(max_tokens=max_tokens, cache_salt=salt),
+                                max_tokens))
+            sch.add_request(reqs[-1])
+        elif op[0] == "step":
+            _spec_step(sch, data.draw, budget)
+        elif reqs:
+            sch.finish_requests([reqs[op[1] % len(reqs)].request_id], RequestStatus.FINISHED_ABORTED)
+        check_invariants(sch)
+    for _ in range(2000):
+        if not sch.has_unfinished():
+            break
+        _spec_step(sch, data.draw, budget)
+        check_invariants(sch)
+    assert not sch.has_unfinished()
+    assert kv.pool.num_free == num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    for r in reqs:
+        if r.status != RequestStatus.FINISHED_ABORTED:
+            tokens = list(r.prompt_token_ids)
+            for t in r.output_token_ids:
+                assert t == _next(tokens)
+                tokens.append(t)
+            assert r.num_output_tokens == r.max_tokens
+
+
 def _compute(kv: KVCacheManager, req: Request, n: int) -> None:
     """Allocate n more tokens and mark them computed, as a finished forward pass would."""
     assert kv.allocate_slots(req, n)

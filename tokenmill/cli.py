@@ -50,6 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "folder (default: auto)")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='sampling defaults set over the chosen ones, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt '
+                        'lookup: proposals copied from earlier in the prompt or output, for outputs that quote '
+                        'their input) or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'; '
+                        'outputs are those of decoding without it (default: off)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -62,7 +67,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enforce_eager=args.enforce_eager, generation_config=args.generation_config,
                 override_generation_config=_json_object(args.override_generation_config,
-                                                        "--override-generation-config"))
+                                                        "--override-generation-config"),
+                speculative_config=_json_object(args.speculative_config, "--speculative-config"))
 
 
 def _json_object(text: str | None, flag: str) -> dict | None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import kv_format
+from tokenmill.spec.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -109,6 +110,9 @@ class EngineConfig:
     # defaults), "vllm" (neutral OpenAI defaults) or a path to a generation_config.json or its folder.
     generation_config: str = "auto"
     override_generation_config: dict | None = None  # fields set over whichever defaults won
+    # Speculative decoding (a dict, a JSON object or a SpeculativeConfig; None: off), e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4}: see spec/config.py.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -126,6 +130,7 @@ class EngineConfig:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
         self.kv_cache_dtype = kv_format.normalize(self.kv_cache_dtype)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

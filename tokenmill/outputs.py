@@ -43,6 +43,14 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: tokens proposed for the request (all its completions) and those accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed speculative tokens; None where none were proposed."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -15,7 +15,13 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.arena import huge_page_buffer
-from tokenmill.sample.sampler import Sampler, token_logprobs
+from tokenmill.sample.sampler import Sampler, needs_processing, token_logprobs
+
+
+def _decode_like(s: ScheduledRequest) -> bool:
+    """A single-token query, or a decode with proposed tokens: each of its tokens is a query row of the
+    batched decode path (one row per position, causal among themselves through their context lengths)."""
+    return s.num_new_tokens == 1 or bool(s.spec_token_ids)
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -115,8 +121,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> ModelOutput:
-        # Single-token requests first: the attention backend batches them in one call.
-        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decode rows first: the attention backend batches them in one call.
+        items = sorted(sched.scheduled, key=lambda s: not _decode_like(s))
         input_ids, positions, meta, starts = self._prepare(items)
         out = ModelOutput()
         decode_only = meta.num_decodes == meta.num_reqs
@@ -126,7 +132,8 @@ class ModelRunner:
                 and all(s.samples and s.request.sampling_params.prompt_logprobs is None for s in items)):
             logits = self.model.decode_logits(input_ids, positions, self.kv_caches, meta)
             if logits is not None:
-                return self._sample(out, logits, [s.request for s in items])
+                return self._choose(out, logits, items, [start + s.num_new_tokens - 1 - len(s.spec_token_ids)
+                                                         for s, start in zip(items, starts)])
         hidden = None
         if self.decode_graphs is not None and decode_only:
             hidden = self.decode_graphs.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
@@ -134,16 +141,81 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        sample_rows, sample_reqs = [], []
+        sample_rows, sampling, sample_starts = [], [], []
         for s, start in zip(items, starts):
             if s.samples:
-                sample_rows.append(start + s.num_new_tokens - 1)
-                sample_reqs.append(s.request)
-            if s.request.sampling_params.prompt_logprobs is not None:
+                sample_starts.append(len(sample_rows))
+                first = start + s.num_new_tokens - 1 - len(s.spec_token_ids)
+                sample_rows.extend(range(first, start + s.num_new_tokens))
+                sampling.append(s)
+            if s.request.sampling_params.prompt_logprobs is not None and not s.spec_token_ids:
                 out.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden[start:start + s.num_new_tokens])
-        if sample_reqs:
-            self._sample(out, self.model.compute_logits(hidden[sample_rows]), sample_reqs)
+        if sampling:
+            self._choose(out, self.model.compute_logits(hidden[sample_rows]), sampling, sample_starts)
         return out
+
+    def _choose(self, out: ModelOutput, logits: torch.Tensor, items: list[ScheduledRequest],
+                rows: list[int]) -> ModelOutput:
+        """Each request's next token from its rows of logits, into out: row rows[i] for a request without
+        proposals; rows[i] and the one after it per proposal for a request verifying them."""
+        plain = [i for i, s in enumerate(items) if not s.spec_token_ids]
+        if plain:
+            picked = logits if len(plain) == logits.shape[0] else logits[[rows[i] for i in plain]]
+            self._sample(out, picked, [items[i].request for i in plain])
+        if len(plain) < len(items):
+            self._verify(out, logits, [(s, r) for s, r in zip(items, rows) if s.spec_token_ids])
+        return out
+
+    def _verify(self, out: ModelOutput, logits: torch.Tensor, spec: list[tuple[ScheduledRequest, int]]) -> None:
+        """The tokens each verifying request keeps: row j of its logits (the target after its last token
+        and the first j proposals) chooses a token as a plain step would; while it equals proposal j + 1
+        the next row chooses too. The request keeps every choice up to the first that differs from its
+        proposal, or the one after the last proposal.
+
+        This is rejection sampling for proposals that are certain (q one-hot): proposal d is kept with
+        probability p(d), and on rejection the token comes from p with d removed, renormalised, which
+        is what drawing from p and comparing gives. Each row draws from the distribution a plain step at
+        that position would draw from: while rows are chosen, the request shows the accepted proposals
+        as its output (penalties, min_tokens), and a seeded request draws one number per chosen row from
+        its own generator, as plain steps do."""
+        if not any(needs_processing(s.request) for s, _ in spec):  # greedy: every row's argmax at once
+            rows = [r for s, start in spec for r in range(start, start + s.num_new_tokens)]
+            best = iter(cpu_kernels.argmax(logits[rows]).tolist())
+            for s, _ in spec:
+                row = [next(best) for _ in range(s.num_new_tokens)]
+                kept = 1
+                while kept < len(row) and row[kept - 1] == s.spec_token_ids[kept - 1]:
+                    kept += 1
+                out.sampled[s.request.request_id] = row[0]
+                out.spec_sampled[s.request.request_id] = row[1:kept]
+            return
+        chosen: dict[str, list[tuple[int, dict | None]]] = {s.request.request_id: [] for s, _ in spec}
+        shown = dict.fromkeys(chosen, 0)
+        active = list(spec)
+        try:
+            for j in range(max(s.num_new_tokens for s, _ in spec)):
+                tokens, lps = self.sampler(logits[[start + j for _, start in active]], [s.request for s, _ in active])
+                still = []
+                for (s, start), tok, lp in zip(active, tokens, lps):
+                    chosen[s.request.request_id].append((tok, lp))
+                    if j < len(s.spec_token_ids) and tok == s.spec_token_ids[j]:
+                        s.request.output_token_ids.append(tok)  # shown while the next row is chosen
+                        shown[s.request.request_id] += 1
+                        still.append((s, start))
+                active = still
+                if not active:
+                    break
+        finally:
+            for s, _ in spec:  # the scheduler appends the kept tokens for good
+                del s.request.output_token_ids[len(s.request.output_token_ids) - shown[s.request.request_id]:]
+        for s, _ in spec:
+            rid = s.request.request_id
+            (first, lp0), *rest = chosen[rid]
+            out.sampled[rid] = first
+            out.spec_sampled[rid] = [t for t, _ in rest]
+            if lp0 is not None:
+                out.logprobs[rid] = lp0
+                out.spec_logprobs[rid] = [lp for _, lp in rest]
 
     def _sample(self, out: ModelOutput, logits: torch.Tensor, reqs: list[Request]) -> ModelOutput:
         """Each request's token (and logprobs) from its row of logits, into out."""
@@ -165,23 +237,29 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         starts, seq_lens, query_start = [], [], [0]
-        # Any single-token query (decode, or a one-token chunk) takes the batched path.
-        num_decodes = sum(1 for s in items if s.num_new_tokens == 1)
+        # Any single-token query (decode, or a one-token chunk) takes the batched path; so does each token
+        # of a decode with proposals, as a row of its own whose context ends at its position.
+        decode_tables: list[list[int]] = []
         for s in items:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             starts.append(len(ids))
-            ids.extend(req.token_ids(start, end))
+            ids.extend(req.token_ids(start, end - len(s.spec_token_ids)) + s.spec_token_ids)
             slots.extend(self._slot(req, p) for p in range(start, end))
             pos.extend(range(start, end))
-            seq_lens.append(end)
-            query_start.append(len(ids))
+            if _decode_like(s):
+                seq_lens.extend(range(start + 1, end + 1))
+                query_start.extend(range(query_start[-1] + 1, len(ids) + 1))
+                decode_tables.extend([req.block_ids] * s.num_new_tokens)
+            else:
+                seq_lens.append(end)
+                query_start.append(len(ids))
+        num_decodes = len(decode_tables)
         dev = self.device
         decode_bt = decode_lens = None
         if num_decodes:
-            width = max(len(s.request.block_ids) for s in items[:num_decodes])
-            decode_bt = torch.tensor([s.request.block_ids + [0] * (width - len(s.request.block_ids))
-                                      for s in items[:num_decodes]], dtype=torch.long, device=dev)
+            width = max(map(len, decode_tables))
+            decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
             decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -191,7 +269,7 @@ class ModelRunner:
             decode_block_tables=decode_bt,
             decode_seq_lens=decode_lens,
             block_tables=[None] * num_decodes + [torch.tensor(s.request.block_ids, dtype=torch.long, device=dev)
-                                                 for s in items[num_decodes:]],
+                                                 for s in items if not _decode_like(s)],
             block_size=bs,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),

@@ -21,9 +21,32 @@ def build_requests(args, llm) -> list[BenchRequest]:
     return jsonl_requests(args.dataset, llm.get_tokenizer(), out_range, args.num_prompts, args.seed)
 
 
+def _speculation(llm, before: tuple[int, int, int] | None = None):
+    """(drafts, draft tokens, accepted tokens) so far; with `before`, the figures of the run since then
+    (None where speculation is off)."""
+    stats = llm.engine.spec_stats
+    now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    if before is None:
+        return now
+    if llm.engine.proposer is None:
+        return None
+    drafts, proposed, accepted = (a - b for a, b in zip(now, before))
+    return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0}
+
+
+def _print_speculation(r: dict) -> None:
+    s = r.get("speculation")
+    if s:
+        print(f"speculation: acceptance {100 * s['acceptance_rate']:.1f}% of {s['draft_tokens']} proposed tokens, "
+              f"mean accepted length {s['mean_accepted_length']:.2f} tokens per verification")
+
+
 def run_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True) -> dict:
     """Submit every request at once and run to completion; tokens/s over the wall time."""
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=ignore_eos) for r in requests]
+    spec = _speculation(llm)
     start = time.perf_counter()
     outs = llm.generate([r.prompt_ids for r in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -31,7 +54,8 @@ def run_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True) -
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"requests": len(requests), "elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed,
             "input_tokens": n_in, "output_tokens": n_out, "input_tokens_per_s": n_in / elapsed,
-            "output_tokens_per_s": n_out / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed}
+            "output_tokens_per_s": n_out / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
+            "speculation": _speculation(llm, spec)}
 
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int = 0,
@@ -39,7 +63,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
     """One batch of identical shape, repeated: end-to-end latency, TTFT and TPOT per request. Tokens are
     greedy at temperature 0, else sampled at that temperature (from the top_p nucleus)."""
     e2e, ttft, tpot = [], [], []
+    spec = None
     for i in range(warmup + iters):
+        if i == warmup:
+            spec = _speculation(llm)
         reqs = random_requests(batch_size, (input_len, input_len), (output_len, output_len), llm.engine.vocab_size,
                                seed + i)
         llm.engine.reset_prefix_cache()  # each iteration computes its prompts afresh
@@ -59,7 +86,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
                 tpot.append((m.finished_time - m.first_token_time) / (output_len - 1))
     return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iters": iters,
             "temperature": temperature, "top_p": top_p, "e2e_s": percentiles(e2e), "ttft_s": percentiles(ttft),
-            "tpot_s": percentiles(tpot)}
+            "tpot_s": percentiles(tpot), "speculation": _speculation(llm, spec)}
 
 
 def print_throughput(r: dict) -> None:
@@ -67,6 +94,7 @@ def print_throughput(r: dict) -> None:
     print(f"requests/s: {r['requests_per_s']:.2f}")
     print(f"input tokens/s: {r['input_tokens_per_s']:.1f}  output tokens/s: {r['output_tokens_per_s']:.1f}  "
           f"total tokens/s: {r['total_tokens_per_s']:.1f}")
+    _print_speculation(r)
 
 
 def print_latency(r: dict) -> None:
@@ -76,6 +104,7 @@ def print_latency(r: dict) -> None:
         s = r[key]
         print(f"{label:>11}: mean {s['mean'] * 1e3:9.2f} ms  p50 {s['p50'] * 1e3:9.2f}  p90 {s['p90'] * 1e3:9.2f}  "
               f"p99 {s['p99'] * 1e3:9.2f}")
+    _print_speculation(r)
 
 
 def write_json(path: str | None, result: dict) -> None:

@@ -296,6 +296,7 @@ class AsyncEngine:
 
     def _log_throughput(self, elapsed: float, tokens: list[int]) -> None:
         s = self.engine.stats()
+        spec = f", {self.engine.spec_stats.describe()}" if "spec_decode_num_drafts" in s else ""
         logger.info("prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
-                    "KV cache usage %.1f%%", tokens[0] / elapsed, tokens[1] / elapsed, s["num_requests_running"],
-                    s["num_requests_waiting"], 100 * s["kv_cache_usage_perc"])
+                    "KV cache usage %.1f%%%s", tokens[0] / elapsed, tokens[1] / elapsed, s["num_requests_running"],
+                    s["num_requests_waiting"], 100 * s["kv_cache_usage_perc"], spec)

@@ -20,6 +20,8 @@ from tokenmill.runner import ModelRunner, kv_bytes_per_block
 from tokenmill.sample import defaults as sampling_defaults
 from tokenmill.sample.sampler import needs_processing
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.spec.proposer import AdaptiveDraft, make_proposer
+from tokenmill.spec.stats import SpecStats
 from tokenmill.structured.backend import GrammarMatcher, Grammars
 
 logger = logging.getLogger("tokenmill")
@@ -76,6 +78,11 @@ class LLMEngine:
         self._interrupted = threading.Event()  # new work waits: no burst of decode steps now
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        spec = config.speculative_config
+        self.spec_stats = SpecStats()
+        self.proposer = make_proposer(spec, self) if spec is not None else None
+        if spec is not None:
+            logger.info("speculative decoding: %s", spec.describe())
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:
@@ -173,14 +180,51 @@ class LLMEngine:
         results = self.runner.execute_burst(sched, steps, self._interrupted.is_set) if steps > 1 else None
         if results is None:
             results = [self.runner.execute(sched) if not sched.is_empty else ModelOutput()]
-        for result in results:
+        for result in results[:-1] + results[-1].passes():
             outputs = self._take(sched, result)
             if emit is not None:
                 emit(outputs)
             else:
                 latest.update((out.request_id, out) for out in outputs)
         self.last_step = sched
+        if self.proposer is not None:
+            self._count_verified(sched, results[-1])
+            self._propose()
         return list(latest.values())
+
+    # ------------------------------------------------------------------ speculation
+    def _count_verified(self, sched: SchedulerOutput, result: ModelOutput) -> None:
+        """Acceptance of the proposals this step verified: counters, each request's next proposal size,
+        and the blocks that held only rejected proposals back to the pool."""
+        for s in sched.scheduled:
+            if not s.spec_token_ids:
+                continue
+            req, proposed = s.request, len(s.spec_token_ids)
+            accepted = len(result.spec_sampled.get(req.request_id, ()))
+            self.spec_stats.record(proposed, accepted)
+            req.num_draft_tokens += proposed
+            req.num_accepted_tokens += accepted
+            req.spec_draft.update(proposed, accepted)
+        self.scheduler.release_rejected(sched)
+
+    def _propose(self) -> None:
+        """Proposals for every running request that decodes next (its last token is all it owes), for the
+        next step to verify. Requests under a grammar get none: the grammar already narrows their choice."""
+        wanted = []
+        for req in self.scheduler.running:
+            req.spec_token_ids = []
+            if req.num_tokens - req.num_computed_tokens != 1 or req.grammar is not None:
+                continue
+            if req.spec_draft is None:
+                req.spec_draft = AdaptiveDraft(self.config.speculative_config.num_speculative_tokens)
+            # Never past max_tokens or the context: the step keeps at most every proposal plus one.
+            k = min(req.spec_draft.want(), req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k > 0:
+                wanted.append((req, k))
+        # Called with none wanted too: a proposer with state of its own forgets finished requests there.
+        for (req, _), drafts in zip(wanted, self.proposer.propose(wanted)):
+            req.spec_token_ids = drafts
 
     def _take(self, sched: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
         """Apply one step's sampled tokens: stop rules, text, outputs. A request whose output cannot be
@@ -232,6 +276,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": kv.num_queried_tokens,
             "prefix_cache_hits": kv.num_hit_tokens,
+            **(self.spec_stats.as_dict() if self.proposer is not None else {}),
         }
 
     def reset_prefix_cache(self) -> None:

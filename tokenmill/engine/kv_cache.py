@@ -214,6 +214,21 @@ class KVCacheManager:
         req.block_ids = []
         req.num_cached_blocks = 0
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release the request's blocks past those its first num_tokens tokens occupy (tail first). They
+        hold no token the request keeps, so none of them is in the prefix cache."""
+        keep = -(-num_tokens // self.block_size)
+        tail = req.block_ids[keep:]
+        if not tail:
+            return
+        for i in tail:
+            self._pending.pop(i, None)
+            if self.pool.blocks[i].block_hash is not None:
+                self.pool.forget(self.pool.blocks[i])
+        self.pool.release([self.pool.blocks[i] for i in reversed(tail)])
+        del req.block_ids[keep:]
+        req.num_cached_blocks = min(req.num_cached_blocks, keep)
+
     def usage(self) -> float:
         return self.pool.usage()
 

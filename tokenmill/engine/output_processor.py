@@ -121,6 +121,8 @@ class OutputProcessor:
                 index=c.index, text=det.visible_text(reason is not None), token_ids=list(c.output_token_ids),
                 cumulative_logprob=c.cumulative_logprob if c.sampling_params.logprobs is not None else None,
                 logprobs=lps, finish_reason=reason, stop_reason=p.stop_reasons.get(c.index)))
+        p.metrics.spec_num_draft_tokens = sum(c.num_draft_tokens for c in p.children)
+        p.metrics.spec_num_accepted_tokens = sum(c.num_accepted_tokens for c in p.children)
         first = p.children[0]
         prompt_lps = None
         if first.sampling_params.prompt_logprobs is not None and p.error is None:

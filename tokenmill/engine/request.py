@@ -54,6 +54,12 @@ class Request:
     metrics: RequestMetrics | None = None
     num_preemptions: int = 0
     grammar: object | None = None  # a structured.GrammarMatcher: where the output stands in its constraint
+    # Speculative decoding: tokens proposed to follow this request's last one, for the next step to verify;
+    # how many to propose (spec.proposer.AdaptiveDraft); what its drafts proposed and what was accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft: object | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -21,9 +21,12 @@ logger = logging.getLogger("tokenmill")
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the speculative tokens included
     # True when this step brings the request level with its tokens, so a new token is sampled.
     samples: bool
+    # Proposed tokens verified in this step, after the request's last token: each of the num_new_tokens
+    # gets logits, and the target's choices decide how many of them the request keeps.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -45,6 +48,26 @@ class ModelOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict] = field(default_factory=dict)  # request_id -> {token_id: Logprob}
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # A request that verified speculative tokens: the tokens after its first (the accepted proposals,
+    # then the target's own choice), and their logprobs.
+    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    # True for the outputs passes() makes after the first: their requests each gain one more token.
+    spec_pass: bool = False
+
+    def passes(self) -> list["ModelOutput"]:
+        """This output as a sequence of one-token-per-request outputs, applied in order as the steps of a
+        burst are: the first token of every request, then each verifying request's later tokens."""
+        out = [self]
+        for j in range(max(map(len, self.spec_sampled.values()), default=0)):
+            p = ModelOutput(spec_pass=True)
+            for rid, tokens in self.spec_sampled.items():
+                if j < len(tokens):
+                    p.sampled[rid] = tokens[j]
+                    if rid in self.spec_logprobs:
+                        p.logprobs[rid] = self.spec_logprobs[rid][j]
+            out.append(p)
+        return out
 
 
 class Scheduler:
@@ -87,8 +110,17 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, decoding)
+            owed = req.num_tokens - req.num_computed_tokens
+            num_new = self._chunk(owed, budget, decoding)
             decoding = decoding or num_new == 1
+            # A decode's proposed tokens ride along where the budget and free blocks allow; they never
+            # cost another request its place.
+            drafts = req.spec_token_ids[:budget - 1] if owed == 1 else []
+            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                out.scheduled.append(self._scheduled(req, 1 + len(drafts), drafts))
+                scheduled.add(req.request_id)
+                budget -= 1 + len(drafts)
+                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = next((r for r in reversed(self.running) if r is not req and r.request_id not in scheduled),
                               req)
@@ -132,14 +164,17 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(req, num_new, samples=req.num_computed_tokens + num_new == req.num_tokens)
+    def _scheduled(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        drafts = drafts or []
+        return ScheduledRequest(req, num_new, req.num_computed_tokens + num_new - len(drafts) == req.num_tokens,
+                                drafts)
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and send it back to the front of the queue to be recomputed."""
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.prompt_logprobs = []  # the recompute hands them over again
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -147,13 +182,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, apply stop rules; returns requests with news."""
+        """Advance computed tokens, append sampled tokens, apply stop rules; returns requests with news.
+
+        A pass after the first (model_out.spec_pass) holds the next accepted token of some verifying
+        requests: each of them has one more computed token (the proposal accepted before it)."""
         changed = []
         for s in sched.scheduled:
             req = s.request
-            if req.is_finished:  # aborted while the step ran
+            if req.is_finished:  # aborted while the step ran, or stopped at an earlier pass
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            if model_out.spec_pass:
+                if req.request_id not in model_out.sampled:
+                    continue
+                req.num_computed_tokens += 1
+            else:
+                req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             self.kv.cache_computed_blocks(req)
             if req.request_id in model_out.prompt_logprobs:
                 req.prompt_logprobs.extend(model_out.prompt_logprobs[req.request_id])
@@ -197,6 +240,13 @@ class Scheduler:
                 return
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+
+    def release_rejected(self, sched: SchedulerOutput) -> None:
+        """After a step's passes: blocks that hold only rejected proposals of a verifying request go back
+        to the pool (their slots were written, but no accepted token lies in them)."""
+        for s in sched.scheduled:
+            if s.spec_token_ids and not s.request.is_finished:
+                self.kv.trim(s.request, s.request.num_computed_tokens)
 
     # ------------------------------------------------------------------ finishing
     def finish_requests(self, request_ids, status: RequestStatus, stop_reason=None) -> list[Request]:

@@ -42,6 +42,15 @@ class ServerMetrics:
         self.aborted = counter("requests_aborted", "Requests aborted (client gone, shutdown or error).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec = {
+            "spec_decode_num_drafts": counter("spec_decode_num_drafts", "Speculative verification passes of a "
+                                              "request with proposed tokens."),
+            "spec_decode_num_draft_tokens": counter("spec_decode_num_draft_tokens", "Proposed tokens verified."),
+            "spec_decode_num_accepted_tokens": counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+        }
+        self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by their "
+                                    "position in the proposal (0: the first).", ["position"])
+        self._spec_per_pos: list[int] = []
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
                              _LATENCY_BUCKETS)
@@ -49,7 +58,8 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _E2E_BUCKETS)
         self.timeline = Timeline()  # the dashboard's per-second view of the same events
         self._seen_tokens: dict[str, tuple[int, float]] = {}
-        self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                               **dict.fromkeys(self.spec, 0)}
 
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
         """Called on the engine thread after each step with the outputs it produced."""
@@ -90,8 +100,17 @@ class ServerMetrics:
         self.running.set(stats["num_requests_running"])
         self.waiting.set(stats["num_requests_waiting"])
         self.kv_usage.set(stats["kv_cache_usage_perc"])
-        for key, metric in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
-                            ("prefix_cache_hits", self.prefix_hits)):
+        counters = [("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
+                    ("prefix_cache_hits", self.prefix_hits)]
+        if "spec_decode_num_drafts" in stats:
+            counters += list(self.spec.items())
+            per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+            self._spec_per_pos += [0] * (len(per_pos) - len(self._spec_per_pos))
+            for i, n in enumerate(per_pos):
+                if n > self._spec_per_pos[i]:
+                    self.spec_per_pos.labels(self.model_name, str(i)).inc(n - self._spec_per_pos[i])
+                    self._spec_per_pos[i] = n
+        for key, metric in counters:
             delta = stats[key] - self._engine_counts[key]
             if delta > 0:
                 metric.inc(delta)

@@ -1,0 +1,114 @@
+"""A draft model's proposals: a smaller model (or the target's own weights, quantized) decodes a few
+tokens greedily ahead of each request, on its own KV cache, batched across requests."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenmill.attention.cpu import TorchSDPABackend
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.model.loader import load_model
+from tokenmill.runner import ModelRunner, kv_bytes_per_block
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class DraftModelProposer:
+    """Each target request has a shadow request in the draft's KV cache holding the tokens the draft has
+    computed. A proposal first brings the shadow level with the request (its new tokens; tokens the
+    draft computed for proposals that were rejected are recomputed), which gives the first proposed
+    token, then decodes the rest one step at a time for all requests together. Proposals are the draft's
+    greedy choices: each is certain (q one-hot), which is what the target's verification assumes."""
+
+    def __init__(self, cfg, engine) -> None:
+        self.engine = engine
+        if cfg.method == "self":
+            name, quantization = engine.config.model, cfg.quantization
+        else:
+            name, quantization = cfg.model, "auto"
+        try:
+            loaded = load_model(name, engine.dtype, engine.device, TorchSDPABackend(),
+                                max_positions=engine.max_model_len, quantization=quantization)
+        except ValueError as e:
+            raise ValueError(f"the speculative draft ({cfg.method}) could not be loaded: {e}") from e
+        self.model = loaded.model
+        check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
+        self.vocab_size = min(engine.vocab_size, self.model.config.vocab_size)
+        bs = engine.config.block_size
+        # As many tokens as the target's cache holds, so the draft never runs out before the target does.
+        num_blocks = engine.num_blocks
+        self.kv = KVCacheManager(num_blocks, bs, enable_caching=False)  # shadows hold unverified tokens
+        self.runner = ModelRunner(self.model, num_blocks, bs, engine.device, engine.dtype, engine.config.seed,
+                                  max_model_len=engine.max_model_len, kv_cache_dtype=engine.config.kv_cache_dtype)
+        self.shadows: dict[str, Request] = {}
+        self.greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        logger.info("speculative draft: %s (%.1f MiB of KV cache)", type(self.model).__name__,
+                    num_blocks * kv_bytes_per_block(self.model, bs, engine.dtype, engine.config.kv_cache_dtype) / 2**20)
+
+    def propose(self, wanted: list) -> list[list[int]]:
+        self._forget_finished()
+        shadows, ks = [], []
+        for req, k in wanted:
+            shadow = self._sync(req)
+            if self.kv.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+                shadows.append(shadow)
+                ks.append(k)
+        drafts: dict[str, list[int]] = {s.request_id: [] for s in shadows}
+        # Catch up: every new token of each shadow; the last one's logits give the first proposal.
+        active = list(zip(shadows, ks))
+        for j in range(max(ks, default=0)):
+            sched = SchedulerOutput(scheduled=[
+                ScheduledRequest(s, s.num_tokens - s.num_computed_tokens, True) for s, _ in active])
+            out = self.runner.execute(sched)
+            still = []
+            for s, k in active:
+                s.num_computed_tokens = s.num_tokens
+                token = out.sampled[s.request_id]
+                if token >= self.vocab_size:  # a token the target's vocabulary lacks ends the proposal
+                    continue
+                drafts[s.request_id].append(token)
+                s.output_token_ids.append(token)  # the draft computes it in the next step
+                if j + 1 < k:
+                    still.append((s, k))
+            active = still
+        result = []
+        for req, _ in wanted:
+            shadow = self.shadows.get(req.request_id)
+            result.append(drafts.get(shadow.request_id, []) if shadow is not None else [])
+        return result
+
+    def _sync(self, req: Request) -> Request:
+        """The request's shadow, its tokens set to the request's; computed tokens past their common prefix
+        (proposals that were rejected) are forgotten and their blocks freed."""
+        shadow = self.shadows.get(req.request_id)
+        if shadow is None:
+            shadow = Request(req.request_id, req.prompt_token_ids, self.greedy, max_tokens=req.max_tokens)
+            self.shadows[req.request_id] = shadow
+        target = req.output_token_ids
+        same = 0
+        limit = min(len(shadow.output_token_ids), len(target))
+        while same < limit and shadow.output_token_ids[same] == target[same]:
+            same += 1
+        shadow.output_token_ids = list(target)
+        computed = min(shadow.num_computed_tokens, shadow.num_prompt_tokens + same, shadow.num_tokens - 1)
+        shadow.num_computed_tokens = computed
+        self.kv.trim(shadow, computed)
+        return shadow
+
+    def _forget_finished(self) -> None:
+        """Free the shadows of requests that finished or went back to the queue (preempted)."""
+        running = {r.request_id for r in self.engine.scheduler.running}
+        for rid in [rid for rid in self.shadows if rid not in running]:
+            self.kv.free(self.shadows.pop(rid))
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer) -> None:
+    """The draft's token ids must mean what the target's mean."""
+    a, b = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if a != b:
+        only = len(set(a.items()) ^ set(b.items()))
+        raise ValueError(f"the speculative draft's tokenizer differs from the target's ({len(b)} tokens against "
+                         f"{len(a)}, {only} entries not shared): a draft must share the target's vocabulary")
