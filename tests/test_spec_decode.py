@@ -54,7 +54,31 @@ def _tokens(outs) -> list[list[int]]:
 def _with_oracle(folder: str, refs: dict, spoil: float = 0.3, **kw) -> LLM:
     llm = LLM(folder, dtype="float32", speculative_config=NGRAM, **kw)
     llm.engine.proposer = Oracle(refs, llm.engine.vocab_size, spoil)
+    llm.engine.spec_rows = 64  # verify many requests at once: steps past the fused decoder's team path too
     return llm
+
+
+def test_proposals_only_while_the_step_has_room(tiny_models):
+    """A decode step holds at most spec_rows query rows: proposals fill the room oldest request first,
+    and with as many decodes as rows there are none."""
+    folder = tiny_models["llama"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = LLM(folder, dtype="float32")
+    ref = _tokens(base.generate(PROMPTS, sp))
+    llm = _with_oracle(folder, {tuple(i): r for i, r in zip(_ids(base, PROMPTS), ref)}, spoil=0.0)
+    engine = llm.engine
+    for rows in (8, 10, 3):
+        engine.spec_rows = rows
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"{rows}-{i}", p, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+            decoding = [r for r in engine.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+            proposed = sum(len(r.spec_token_ids) for r in decoding)
+            assert len(decoding) + proposed <= max(rows, len(decoding))
+            if len(decoding) >= rows:
+                assert proposed == 0
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 MODES = {
@@ -197,6 +221,7 @@ def _sampled_runs(tiny_models, params: dict, n: int, verify=None):
     plain = _sample_counts(base, prompt, sp, n)
     llm = LLM(folder, dtype="float32", block_size=4, seed=2, speculative_config=NGRAM)
     llm.engine.proposer = GreedyContinuation(folder)
+    llm.engine.spec_rows = 1024
     if verify is not None:
         llm.engine.runner._verify = verify.__get__(llm.engine.runner)
     spec = _sample_counts(llm, prompt, sp, n)
@@ -349,6 +374,7 @@ def test_draft_model_outputs_equal_decoding_without_speculation(tiny_models, dra
     kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=48)  # prompts in chunks, decodes among them
     ref = _tokens(LLM(target, **kw).generate(PROMPTS, sp))
     llm = LLM(target, speculative_config=spec, **kw)
+    llm.engine.spec_rows = 64
     assert _tokens(llm.generate(PROMPTS, sp)) == ref
     s = llm.engine.stats()
     rate = s["spec_decode_num_accepted_tokens"] / s["spec_decode_num_draft_tokens"]

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 from tokenmill.attention.cpu import TorchSDPABackend
 from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
@@ -80,6 +81,11 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         spec = config.speculative_config
         self.spec_stats = SpecStats()
+        # Query rows a decode step may hold with proposals in it. On the CPU, the fused decoder's one pass
+        # over the weights serves up to max_gemv_rows rows; a step past that is compute-bound, and its
+        # proposals cost more than they save (a batch of 8 with 3 proposals each: 0.8-0.9x). Fewer rows
+        # than running decodes: no proposals at all.
+        self.spec_rows = cpu_kernels.max_gemv_rows() if self.device.type == "cpu" else 256
         self.proposer = make_proposer(spec, self) if spec is not None else None
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe())
@@ -211,20 +217,24 @@ class LLMEngine:
         """Proposals for every running request that decodes next (its last token is all it owes), for the
         next step to verify. Requests under a grammar get none: the grammar already narrows their choice."""
         wanted = []
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        room = self.spec_rows - len(decoding)
         for req in self.scheduler.running:
             req.spec_token_ids = []
-            if req.num_tokens - req.num_computed_tokens != 1 or req.grammar is not None:
+        for req in decoding if room > 0 else ():
+            if req.grammar is not None:
                 continue
             if req.spec_draft is None:
                 req.spec_draft = AdaptiveDraft(self.config.speculative_config.num_speculative_tokens)
             # Never past max_tokens or the context: the step keeps at most every proposal plus one.
             k = min(req.spec_draft.want(), req.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
+                    self.max_model_len - req.num_tokens - 1, room)
             if k > 0:
                 wanted.append((req, k))
         # Called with none wanted too: a proposer with state of its own forgets finished requests there.
         for (req, _), drafts in zip(wanted, self.proposer.propose(wanted)):
-            req.spec_token_ids = drafts
+            req.spec_token_ids = drafts[:max(room, 0)]  # oldest requests first while the step has room
+            room -= len(req.spec_token_ids)
 
     def _take(self, sched: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
         """Apply one step's sampled tokens: stop rules, text, outputs. A request whose output cannot be

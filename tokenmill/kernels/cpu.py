@@ -264,3 +264,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             and _module is not None):
         return _module.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def max_gemv_rows() -> int:
+    """The most query rows the fused decode step runs in its one pass over the weights (8 where the
+    kernels are missing: the torch path has no such limit, but its small steps are no cheaper per row)."""
+    module = load()
+    return module.max_gemv_rows if module is not None else 8
