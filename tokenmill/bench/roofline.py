@@ -39,11 +39,20 @@ def memory_bandwidth(repeats: int = 7, size_bytes: int = 1 << 30, buffer: torch.
     return x.numel() * 4 / _best(lambda: x.sum(), repeats, x.device)
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 7, device: torch.device | str = "cpu") -> float:
-    """Matrix-multiply FLOP/s of the device at dtype: best time of an n x n x n product."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _best(lambda: a @ b, repeats, a.device)
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 7, device: torch.device | str = "cpu",
+                 budget_s: float = 1.0) -> float:
+    """Matrix-multiply FLOP/s of the device at dtype: best time of an n x n x n product, or, where the dtype
+    is slow here, of the largest size (256 doubled) whose product takes under budget_s: bfloat16 on a CPU
+    without its instructions runs at ~1 GFLOP/s, where one 2048 product would take half a minute."""
+    size = min(n, 256)
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        t = _best(lambda: a @ b, 1, a.device)
+        if size >= n or t * 8 > budget_s:  # the next size takes 8x as long
+            break
+        size = min(n, 2 * size)
+    return 2 * size**3 / _best(lambda: a @ b, repeats, a.device)
 
 
 def weight_bytes(model) -> int:
