@@ -10,10 +10,12 @@
   model builds it from its own weights, dense or in GGUF block formats), so the small per-layer
   operations cost no Python dispatch.
 
-They are written here because no maintained library ships such kernels for torch on the CPU. They need
-AVX-512 (F, BW, VL, DQ); its BF16 instructions are emulated where the CPU lacks them (bf16 models run
-slower there; such CPUs default to float32). Where they cannot be built (no compiler, no AVX-512) the
-engine keeps its torch code paths. torch caches the build per machine (~/.cache/torch_extensions).
+They are written here because no maintained library ships such kernels for torch on the CPU. They are
+written in AVX-512 (F, BW, VL, DQ) intrinsics; on x86-64 CPUs with AVX2, FMA and F16C instead (most laptops
+and desktops) the same source builds through SIMDe (simd.h), each 512-bit operation done as two 256-bit
+ones. AVX-512's BF16 instructions are emulated where the CPU lacks them (bf16 models run slower there; such
+CPUs default to float32). Where they cannot be built (no compiler, neither instruction set) the engine keeps
+its torch code paths. torch caches the build per machine (~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_DIR, "cpu_kernels.cpp")
-_HEADERS = [os.path.join(_DIR, name) for name in ("quant.h", "quant_product.h")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("quant.h", "quant_product.h", "simd.h")]
 _NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # the kernels' instruction sets
+_NEEDED_SIMDE = ("avx2", "fma", "f16c")  # ... or these, with SIMDe carrying out the AVX-512 intrinsics
 
 _module = None
 _tried = False
@@ -45,6 +48,23 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def simd_cflags() -> list[str] | None:
+    """The compiler flags, besides -march=native, that give the kernels their AVX-512 intrinsics on this
+    CPU: none where it has AVX-512; SIMDe's where it has AVX2, FMA and F16C instead (also on request,
+    TOKENMILL_KERNELS_SIMDE=1, to try that build on an AVX-512 CPU); None where neither can be had."""
+    flags = _cpu_flags()
+    native = all(f in flags for f in _NEEDED)
+    if native and not os.environ.get("TOKENMILL_KERNELS_SIMDE"):
+        return []
+    if native or all(f in flags for f in _NEEDED_SIMDE):
+        try:
+            import simde_py
+        except ImportError:
+            return None
+        return ["-DTOKENMILL_SIMDE", f"-I{simde_py.get_include()}"]
+    return None
 
 
 def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
@@ -217,10 +237,14 @@ def build(source: str) -> object:
             digest.update(f.read())
     # -march=native: the build is for this CPU, so the name carries its flags as well as the sources
     # (a changed source or another CPU never meets a stale build).
-    digest.update(" ".join(sorted(_cpu_flags())).encode())
+    simd = simd_cflags()
+    if simd is None:
+        raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA and F16C (or simde-py is missing)")
+    digest.update(" ".join(sorted(_cpu_flags()) + simd).encode())
     return compile_extension(
         name=f"tokenmill_cpu_kernels_{digest.hexdigest()[:12]}", sources=[source],
-        extra_cflags=["-O3", "-march=native", f"-I{_DIR}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        extra_cflags=["-O3", "-march=native", f"-I{_DIR}", "-fopenmp", *simd], extra_ldflags=["-fopenmp"],
+        verbose=False)
 
 
 def load() -> object | None:
@@ -231,9 +255,9 @@ def load() -> object | None:
     _tried = True
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return None
-    missing = [f for f in _NEEDED if f not in _cpu_flags()]
-    if missing:
-        logger.info("CPU lacks %s: decode uses torch's own kernels", ", ".join(missing))
+    if simd_cflags() is None:
+        logger.info("CPU lacks AVX-512 (%s) and AVX2 (%s), or simde-py is not installed: decode uses torch's "
+                    "own kernels", ", ".join(_NEEDED), ", ".join(_NEEDED_SIMDE))
         return None
     try:
         _module = build(_SOURCE)

@@ -16,7 +16,6 @@
 #include <torch/extension.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -36,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include "quant_product.h"
+#include "quant_product.h"  // and simd.h: the AVX-512 intrinsics, native or through SIMDe
 
 #ifndef __AVX512BF16__
 // CPUs with AVX-512 but without its BF16 extension (Skylake-SP to Ice Lake, Zen 3): the two BF16

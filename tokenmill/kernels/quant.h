@@ -25,10 +25,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include "simd.h"  // AVX-512 intrinsics: native, or through SIMDe on AVX2 CPUs (TM_AVX512 either way)
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#ifdef TM_AVX512
 #define TM_QUANT_AVX512 1
 #endif
 
@@ -427,6 +427,11 @@ inline __m512 pair_scales(__m512 v, int k) {
 
 inline float hsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
+// v in the low half, zeros in the high one (a cast leaves the high half undefined: SIMDe fills it).
+inline __m512 zext(__m256 v) {
+  return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_castps_si256(v), 0));
+}
+
 // Q8_0: w = d q. Blocks are taken 16 at a time, so their scales are multiplied as one vector.
 template <int R>
 inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
@@ -546,7 +551,7 @@ inline void dot_q45_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], _mm512_castps256_ps512(off[r])) ;
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], zext(off[r]));
 }
 
 // Q6_K: w = d sc_i (q - 32) per 16-element sub-block i; q has 4 low bits in ql and 2 high bits in qh.
@@ -594,9 +599,89 @@ inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
 
 #endif  // TM_QUANT_AVX512
 
+#if defined(TOKENMILL_SIMDE) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 CPUs (the SIMDe build): the 32-element formats written with 256-bit vectors directly. Through
+// SIMDe's 512-bit emulation their inner loops spill every vector to the stack (a 64-byte vector type has
+// no register on these CPUs) and run ~4x slower; the K formats still take that path.
+#define TM_QUANT_AVX2 1
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// 8 int32 lanes, each the sum of 4 adjacent products of unsigned bytes u with signed bytes s.
+inline __m256i dot4_256(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Q8_0: w = d q, one block (32 products as 16-bit pairs) at a time.
+template <int R>
+inline void dot_q8_0_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  const uint16_t* dp = (const uint16_t*)row;
+  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i* w = (const __m128i*)(qs + b * QK);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1));
+    const float d = fp16(dp[b]);
+    for (int r = 0; r < R; ++r) {
+      const __m128i* xq = (const __m128i*)(x[r].q + b * QK);
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_cvtepi8_epi16(_mm_loadu_si128(xq))),
+                                         _mm256_madd_epi16(w1, _mm256_cvtepi8_epi16(_mm_loadu_si128(xq + 1))));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
+}
+
+// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout (a pair of blocks per 32 bytes).
+template <int R, bool HAS_MIN>
+inline void dot_q4_01_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  const uint16_t* dp = (const uint16_t*)row;
+  const uint16_t* mp = dp + nb;
+  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  __m256 acc[R];
+  float off[R] = {};
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  auto block = [&](__m256i wv, int64_t b) {
+    const float d = fp16(dp[b]), m = HAS_MIN ? fp16(mp[b]) : -8.f * d;
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_256(wv, xv)), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
+      off[r] += m * x[r].s[b];
+    }
+  };
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + b / 2 * 32));
+    block(_mm256_and_si256(q, m4), b);
+    block(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), b + 1);
+  }
+  if (nb % 2) {  // the odd last block, GGUF's nibble order
+    const __m128i q = _mm_loadu_si128((const __m128i*)(qs + (nb - 1) / 2 * 32));
+    const __m128i m = _mm_set1_epi8(0xF);
+    block(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)), _mm_and_si128(_mm_srli_epi16(q, 4), m), 1),
+          nb - 1);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]) + off[r];
+}
+#endif
+
 // out[r] = dot(weight row, activation row r) for R activation rows.
 template <int R>
 inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* out) {
+#ifdef TM_QUANT_AVX2
+  switch (type) {
+    case Q8_0: return dot_q8_0_avx2<R>(row, x, K, out);
+    case Q4_0: return dot_q4_01_avx2<R, false>(row, x, K, out);
+    case Q4_1: return dot_q4_01_avx2<R, true>(row, x, K, out);
+  }
+#endif
 #ifdef TM_QUANT_AVX512
   switch (type) {
     case Q8_0: return dot_q8_0<R>(row, x, K, out);

@@ -2,7 +2,7 @@
 
 QuantizedWeight is the weight-format seam of the linear layers: a matrix [N, K] stored as N rows of
 blocks (quant.h), exactly the bytes a GGUF file holds. Its products go through quant_kernels.cpp
-(AVX-512 BW where the CPU has it, portable C++ elsewhere), compiled on first use and cached by torch
+(AVX-512 BW where the CPU has it, the same code through SIMDe on AVX2 CPUs, portable C++ elsewhere), compiled on first use and cached by torch
 per machine. Where no compiler is available the loader dequantizes instead (and says so).
 """
 
@@ -18,7 +18,7 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_product.h")]
+_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_product.h", "simd.h")]
 
 # GGML type id -> (name, elements per block, bytes per block), for the types with a kernel.
 FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
@@ -41,7 +41,8 @@ def _cpu_flags() -> str:
 
 def build(portable: bool = False):
     """Compiles the kernels for this CPU (-march=native), or, portable=True, without any vector extension
-    beyond the x86-64 baseline (the path CPUs without AVX-512 BW take; built so it can be tested)."""
+    beyond the x86-64 baseline (the path CPUs with neither AVX-512 BW nor AVX2 take; built so it can be
+    tested)."""
     from torch.utils.cpp_extension import load as compile_extension
 
     digest = hashlib.sha256()
@@ -49,11 +50,14 @@ def build(portable: bool = False):
         with open(path, "rb") as f:
             digest.update(f.read())
     # -march=native: the build is for this CPU, so the name carries its flags as well as the sources.
-    digest.update(b"portable" if portable else _cpu_flags().encode())
+    from tokenmill.kernels.cpu import simd_cflags
+
+    simd = [] if portable else (simd_cflags() or [])  # SIMDe's flags on AVX2 CPUs
+    digest.update(b"portable" if portable else (_cpu_flags() + " ".join(simd)).encode())
     arch = "-march=x86-64" if portable and platform.machine() in ("x86_64", "AMD64") else "-march=native"
     return compile_extension(
         name=f"tokenmill_quant_kernels_{digest.hexdigest()[:12]}", sources=[_SOURCES[0]],
-        extra_cflags=["-O3", arch, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        extra_cflags=["-O3", arch, "-fopenmp", *simd], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def load():
@@ -70,7 +74,7 @@ def load():
     else:
         _apply_float_rows(_module)
         if not _module.vectorized:
-            logger.info("quantized-weight kernels built without AVX-512 BW: using their portable C++ path")
+            logger.info("quantized-weight kernels built without AVX-512 BW or AVX2: using their portable C++ path")
     return _module
 
 
