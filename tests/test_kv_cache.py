@@ -50,6 +50,17 @@ ops = st.lists(st.one_of(
 ), min_size=1, max_size=60)
 
 
+def _request(op, rid: str, max_model_len: int) -> Request | None:
+    """The request an "add" op describes (None where its prompt leaves no room for a token). Prompts are
+    drawn from 4 shared stems so that prefixes repeat."""
+    _, prefix, length, max_tokens, salt = op
+    prompt = ([prefix] * 5 + list(range(20)))[:length]
+    max_tokens = min(max_tokens, max_model_len - length)
+    if max_tokens < 1:
+        return None
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, cache_salt=salt), max_tokens)
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(6, 24), budget=st.integers(1, 16), caching=st.booleans())
 def test_pool_invariants_under_random_traffic(ops, num_blocks, budget, caching):
@@ -58,15 +69,11 @@ def test_pool_invariants_under_random_traffic(ops, num_blocks, budget, caching):
     ids = []
     for op in ops:
         if op[0] == "add":
-            _, prefix, length, max_tokens, salt = op
-            # Prompts drawn from 4 shared stems so that prefixes repeat.
-            prompt = ([prefix] * 5 + list(range(20)))[:length]
-            max_tokens = min(max_tokens, sch.max_model_len - length)
-            if max_tokens < 1:
+            req = _request(op, f"r{len(ids)}", sch.max_model_len)
+            if req is None:
                 continue
-            rid = f"r{len(ids)}"
-            ids.append(rid)
-            sch.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, cache_salt=salt), max_tokens))
+            ids.append(req.request_id)
+            sch.add_request(req)
         elif op[0] == "step":
             out = sch.schedule()
             assert out.num_batched_tokens <= budget and len(sch.running) <= 4
@@ -146,14 +153,11 @@ def test_pool_invariants_under_random_traffic_with_speculation(ops, num_blocks, 
     reqs = []
     for op in ops:
         if op[0] == "add":
-            _, prefix, length, max_tokens, salt = op
-            prompt = ([prefix] * 5 + list(range(20)))[:length]
-            max_tokens = min(max_tokens, sch.max_model_len - length)
-            if max_tokens < 1:
+            req = _request(op, f"r{len(reqs)}", sch.max_model_len)
+            if req is None:
                 continue
-            reqs.append(Request(f"r{len(reqs)}", prompt, SamplingParams(max_tokens=max_tokens, cache_salt=salt),
-                                max_tokens))
-            sch.add_request(reqs[-1])
+            reqs.append(req)
+            sch.add_request(req)
         elif op[0] == "step":
             _spec_step(sch, data.draw, budget)
         elif reqs:
