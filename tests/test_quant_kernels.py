@@ -132,6 +132,23 @@ def test_bfloat16_activations(kernels):
     torch.testing.assert_close(got.float(), w.matmul(x.float()), rtol=1e-2, atol=1e-2)
 
 
+def test_bfloat16_prompt_rows_meet_bfloat16_weights(kernels):
+    """From float_rows input rows on, bfloat16 inputs are multiplied with the weights dequantized to
+    bfloat16 by torch's bfloat16 GEMM: the numbers of the same file dequantized at load into a bfloat16
+    model (quantization="none"), not those of float32 weights."""
+    rng = np.random.default_rng(6)
+    for qtype, n, k in ((T.Q4_K, 96, 512), (T.Q8_0, 600, 2048), (T.Q6_K, 40, 256)):
+        data = random_blocks(qtype, n, k, rng)
+        w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
+        x = torch.randn(kernels.float_rows() + 16, k).to(torch.bfloat16)
+        got = w.matmul(x)
+        assert got.dtype == torch.bfloat16
+        w16 = w.dequantize().to(torch.bfloat16)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w16), rtol=0, atol=0)
+        float_weights = torch.nn.functional.linear(x.float(), w.dequantize()).to(torch.bfloat16)
+        assert not torch.equal(got, float_weights)
+
+
 def test_bad_shapes_name_the_tensor(kernels):
     data = torch.zeros(4, 18, dtype=torch.uint8)
     with pytest.raises(ValueError, match="blk.0.attn_q.weight.*Q4_0 blocks of 32"):

@@ -1093,21 +1093,15 @@ void matrix_segments(const Matrix& W, int64_t n0, int64_t n1, std::vector<Segmen
 template <typename T>
 torch::Tensor matrix_product(const Matrix& W, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
   if (W.parts.size() == 1 && W.parts[0].dense()) return at::linear(x, W.tensors[0], bias);
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, W.N}, x.options());
-  // Block formats write float32: straight into y, or into a float32 copy of it for bfloat16.
-  torch::Tensor y32 = kIsFloat<T> ? y : torch::empty({M, W.N}, x.options().dtype(torch::kFloat32));
-  const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({x.size(0), W.N}, x.options());
+  const torch::Tensor xc = x.contiguous();
   for (size_t i = 0; i < W.parts.size(); ++i) {
     const MatrixPart& p = W.parts[i];
     auto cols = y.narrow(1, p.r0, p.r1 - p.r0);
-    if (p.dense()) {
+    if (p.dense())
       cols.copy_(at::linear(x, W.tensors[i]));
-      continue;
-    }
-    tmq::block_product((int)p.type, reinterpret_cast<const uint8_t*>(p.data), p.row_bytes, p.r1 - p.r0, x32,
-                       y32.data_ptr<float>() + p.r0, W.N);
-    if constexpr (!kIsFloat<T>) cols.copy_(y32.narrow(1, p.r0, p.r1 - p.r0));
+    else
+      tmq::block_product((int)p.type, reinterpret_cast<const uint8_t*>(p.data), p.row_bytes, p.r1 - p.r0, xc, cols);
   }
   if (bias) y.add_(*bias);
   return y;

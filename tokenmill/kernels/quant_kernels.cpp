@@ -29,14 +29,13 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   checked_format(type, K, w);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "activation must be [M, ", K, "]");
   TORCH_CHECK(x_in.dtype() == torch::kFloat32 || x_in.dtype() == torch::kBFloat16, "activation must be float32 or bfloat16");
-  torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  const int64_t M = x.size(0), N = w.size(0);
-  torch::Tensor y = torch::empty({M, N}, torch::kFloat32);
+  torch::Tensor x = x_in.contiguous();
+  torch::Tensor y = torch::empty({x.size(0), w.size(0)}, x.options());
   {
     pybind11::gil_scoped_release nogil;
-    tmq::block_product((int)type, w.data_ptr<uint8_t>(), w.size(1), N, x, y.data_ptr<float>(), N);
+    tmq::block_product((int)type, w.data_ptr<uint8_t>(), w.size(1), w.size(0), x, y);
   }
-  return x_in.dtype() == torch::kFloat32 ? y : y.to(x_in.dtype());
+  return y;
 }
 
 // The float32 values of rows `ids` of w (all rows when ids is empty): embedding lookups and the reference.
@@ -91,5 +90,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vectorized") = true;
 #else
   m.attr("vectorized") = false;
+#endif
+#ifdef TM_QUANT_VNNI
+  m.attr("vnni") = true;  // the byte products take AVX-512 VNNI's vpdpbusd
+#else
+  m.attr("vnni") = false;
 #endif
 }

@@ -46,30 +46,61 @@ void for_tiles(int64_t n, const F& fn) {
   });
 }
 
-// y [M, N] (float32, rows `ldy` apart) = x [M, K] (float32, contiguous) W^T, W: N rows of `row_bytes` in
-// block format `type` (quant.h's layout). Call it outside any parallel region, without the GIL.
+// Row n of W as bfloat16 (round to nearest even, as torch converts), through a float row `f` [K].
+inline void dequantize_row_bf16(int type, const uint8_t* row, c10::BFloat16* y, int64_t K, float* f) {
+  dequantize_row(type, row, f, K);
+  int64_t k = 0;
+#if defined(__AVX512BF16__) && !defined(TOKENMILL_SIMDE)
+  for (; k + 16 <= K; k += 16)
+    _mm256_storeu_si256((__m256i*)(y + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f + k)));
+#endif
+  for (; k < K; ++k) y[k] = c10::BFloat16(f[k]);
+}
+
+// y [M, N] = x [M, K] W^T through tiles of W dequantized to x's dtype (float32 or bfloat16) and torch's
+// GEMM: a bfloat16 model's prompt rows meet bfloat16 weights, as with the file dequantized at load, and
+// run on the CPU's bfloat16 matrix units (AMX, AVX-512 BF16) where it has them, several times the float32
+// rate; float32 models keep the exact dequantized values.
+inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const torch::Tensor& x,
+                                torch::Tensor& y) {
+  const int64_t K = x.size(1);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(64, kDequantTileFloats / K));
+  thread_local std::vector<float> scratch;  // kept between calls: a fresh one would fault its pages in
+  scratch.resize(bf16 ? (tile * K + 1) / 2 : tile * K);
+  void* buf = scratch.data();  // (the worker threads below have row buffers of their own)
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t rows = std::min(tile, N - n0);
+    for_tiles((rows + 15) / 16, [&](int64_t t) {
+      thread_local std::vector<float> f;
+      if (bf16) f.resize(K);
+      for (int64_t n = t * 16; n < std::min(rows, t * 16 + 16); ++n) {
+        if (bf16)
+          dequantize_row_bf16(type, w + (n0 + n) * row_bytes, (c10::BFloat16*)buf + n * K, K, f.data());
+        else
+          dequantize_row(type, w + (n0 + n) * row_bytes, (float*)buf + n * K, K);
+      }
+    });
+    auto wt = torch::from_blob(buf, {rows, K}, x.options());
+    y.narrow(1, n0, rows).copy_(at::mm(x, wt.t()));
+  }
+}
+
+// y [M, N] = x [M, K] W^T, W: N rows of `row_bytes` in block format `type` (quant.h's layout); x float32 or
+// bfloat16 (contiguous), y a view of x's dtype (rows may be strided: a merged projection's columns). Call it
+// outside any parallel region, without the GIL.
 inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const torch::Tensor& x,
-                          float* y, int64_t ldy) {
+                          torch::Tensor y) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   if (M == 0 || N == 0) return;
-  const float* xp = x.data_ptr<float>();
-  if (M >= float_rows.load(std::memory_order_relaxed)) {
-    const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(64, kDequantTileFloats / K));
-    thread_local std::vector<float> scratch;  // kept between calls: a fresh one would fault its pages in
-    scratch.resize(tile * K);
-    float* buf = scratch.data();  // (the worker threads below have scratch vectors of their own)
-    for (int64_t n0 = 0; n0 < N; n0 += tile) {
-      const int64_t rows = std::min(tile, N - n0);
-      for_tiles((rows + 15) / 16, [&](int64_t t) {
-        for (int64_t n = t * 16; n < std::min(rows, t * 16 + 16); ++n)
-          dequantize_row(type, w + (n0 + n) * row_bytes, buf + n * K, K);
-      });
-      auto wt = torch::from_blob(buf, {rows, K}, torch::kFloat32);
-      auto out = torch::from_blob(y + n0, {M, rows}, {ldy, 1}, torch::kFloat32);
-      out.copy_(at::mm(x, wt.t()));
-    }
-    return;
-  }
+  if (M >= float_rows.load(std::memory_order_relaxed)) return dequantized_product(type, w, row_bytes, N, x, y);
+  const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();
+  const float* xp = x32.data_ptr<float>();
+  // The products are float32: straight into y where it is float32 with unit column stride, else through a copy.
+  const bool direct = y.scalar_type() == torch::kFloat32 && y.stride(1) == 1;
+  torch::Tensor y32 = direct ? y : torch::empty({M, N}, x32.options());
+  float* yp = y32.data_ptr<float>();
+  const int64_t ldy = y32.stride(0);
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * nb), s(M * nb);
   std::vector<QRow> rows(M);
@@ -92,10 +123,11 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
           for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
         }
         dot_rows(type, w + n * row_bytes, rows.data() + m0, g, K, out);
-        for (int r = 0; r < g; ++r) y[(m0 + r) * ldy + n] = out[r];
+        for (int r = 0; r < g; ++r) yp[(m0 + r) * ldy + n] = out[r];
       }
     }
   });
+  if (!direct) y.copy_(y32);
 }
 
 }  // namespace tmq
