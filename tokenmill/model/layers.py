@@ -24,7 +24,9 @@ class RMSNorm(nn.Module):
 
 def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scaling factor for the configured rope type."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU whatever the default device: under "meta" (models are built there) these ops would go
+    # through torch's Python reference implementations, which import the compiler stack (~150 MiB resident).
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in (None, "default"):
         return inv_freq, 1.0
@@ -50,7 +52,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None) -> None:
         super().__init__()
         inv_freq, attn_factor = _rope_inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
+        t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attn_factor, persistent=False)

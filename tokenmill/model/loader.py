@@ -111,6 +111,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     # Rotary tables are not weights: build them on the device, kept in float32 for accuracy.
     model.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.eval()
+    _release_freed_memory()
     elapsed = time.perf_counter() - start
     qweights = quantized_weights(model)
     n_params = sum(p.numel() for p in model.parameters()) + sum(w.shape[0] * w.shape[1] for w in qweights)
@@ -121,6 +122,19 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
                 weight_bytes(model) / 2**20, elapsed)
     return LoadedModel(model, hf_config, tokenizer, generation_config, path, elapsed, gguf_sampling,
                        named_model_at(path))
+
+
+def _release_freed_memory() -> None:
+    """Hands the heap pages that loading used and freed (file parsing, repacking) back to the OS: glibc keeps
+    them otherwise, and they count in the server's resident memory for its whole life (~20 MiB for a 1B
+    GGUF). Elsewhere than glibc, nothing."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def quantize_on_load(model: nn.Module, weights, quantization: str):
