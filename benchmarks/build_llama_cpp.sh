@@ -110,6 +110,20 @@ CMAKE_OPTS=(
     -DLLAMA_BUILD_UI=OFF            # no npm
     -DLLAMA_USE_PREBUILT_UI=OFF     # no download of the web UI at build time
 )
+# On CPUs with AMX, llama.cpp's AMX matrix path (taken by a native build) crashes in ggml_backend_amx_mul_mat
+# (llama.cpp issue 20824, open, not fixed in this version). Build for the same CPU features minus AMX:
+# every other path, the AVX-512 VNNI/BF16 kernels and the x86 weight repacking included, stays as native.
+flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2-) "
+if [[ "$flags" == *" amx_int8 "* ]]; then
+    log "AMX CPU: building without llama.cpp's AMX path (it crashes here), with the CPU's other features"
+    has() { [[ "$flags" == *" $1 "* ]] && echo ON || echo OFF; }
+    CMAKE_OPTS=("${CMAKE_OPTS[@]/-DGGML_NATIVE=ON/-DGGML_NATIVE=OFF}"
+        -DGGML_SSE42="$(has sse4_2)" -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"
+        -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)" -DGGML_AVX_VNNI="$(has avx_vnni)"
+        -DGGML_AVX512="$(has avx512bw)" -DGGML_AVX512_VBMI="$(has avx512vbmi)"
+        -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)"
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
 GEN=()
 command -v ninja >/dev/null && [ ! -f "$BUILD/Makefile" ] && GEN=(-G Ninja)
 log "configuring ($(cmake --version | head -n1))"
@@ -136,7 +150,7 @@ done
     echo "source: llama-cpp-python $VERSION sdist, vendor/llama.cpp"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ), compile step ${elapsed}s with $JOBS jobs (a rerun compiles only what changed)"
     echo "compiler: $(${CXX:-c++} --version 2>/dev/null | head -n1)"
-    echo "cpu: $(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //') (native build)"
+    echo "cpu: $(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //') (built for this CPU)"
     echo "cmake: ${CMAKE_OPTS[*]}"
 } > "$DEST/BUILD_INFO"
 log "done in ${elapsed}s: $DEST/bin"

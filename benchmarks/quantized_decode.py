@@ -8,7 +8,7 @@ this machine's memory bandwidth changes for minutes at a time; the figures are m
 load next to the file's size.
 
     python benchmarks/quantized_decode.py FILE.gguf [FILE.gguf ...] [--rounds 3] [--tokens 32]
-        [--quantization auto|none] [--llama-cpp-dir DIR]
+        [--quantization auto|none] [--dtype auto|float32|bfloat16] [--llama-cpp-dir DIR]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 _CHILD = r"""
 import json, sys, time
 from tokenmill import LLM, SamplingParams
-path, tokens, quantization = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-llm = LLM(path, dtype="float32", kv_cache_memory="128MiB", quantization=quantization, enable_prefix_caching=False,
+path, tokens, quantization, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+llm = LLM(path, dtype=dtype, kv_cache_memory="128MiB", quantization=quantization, enable_prefix_caching=False,
           max_num_batched_tokens=512)
 import gc
 gc.collect()
@@ -45,8 +45,8 @@ print(json.dumps({"tok_s": decode, "pp_s": 512 / (time.perf_counter() - t), "rss
 """
 
 
-def tokenmill_decode(path: str, tokens: int, quantization: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, path, str(tokens), quantization], capture_output=True,
+def tokenmill_decode(path: str, tokens: int, quantization: str, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, path, str(tokens), quantization, dtype], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--quantization", default="auto")
+    p.add_argument("--dtype", default="auto", help="tokenmill's activation dtype (auto: bfloat16 where the CPU "
+                   "has AVX-512 BF16 or AMX, else float32)")
     p.add_argument("--llama-cpp-dir", default=os.path.expanduser("~/.cache/tokenmill/llama.cpp"))
     args = p.parse_args()
     exe = os.path.join(args.llama_cpp_dir, "bin", "llama-bench")
@@ -80,7 +82,7 @@ def main() -> None:
             order = [0, 1] if r % 2 == 0 else [1, 0]
             for engine in order:
                 if engine == 0:
-                    res = tokenmill_decode(f, args.tokens, args.quantization)
+                    res = tokenmill_decode(f, args.tokens, args.quantization, args.dtype)
                     ours[f].append(res["tok_s"])
                     ours_pp[f].append(res["pp_s"])
                     rss[f] = res["rss"]
