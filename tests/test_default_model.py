@@ -96,3 +96,19 @@ def test_gguf_reader_matches_the_gguf_package(default_gguf, tmp_path):
         bad.write_bytes(f.read(200_000))  # metadata cut short
     with pytest.raises(ValueError, match="truncated"):
         GGUFFile(str(bad))
+
+
+def test_resident_memory_after_load_is_the_file_and_the_cache(default_gguf):
+    """In a fresh process: resident memory after loading is the file's bytes, the KV cache and at most 300 MiB
+    besides (Python, torch and the tokenizer); loading does not pull in torch's compiler stack."""
+    import subprocess
+    import sys
+
+    code = ("import gc, sys\nfrom tokenmill import LLM\n"
+            f"llm = LLM({default_gguf!r}, kv_cache_memory='64MiB')\ngc.collect()\n"
+            "rss = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')) * 1024\n"
+            "print(rss, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    rss, dynamo = out.stdout.split()[-2:]
+    assert dynamo == "False"
+    assert int(rss) <= os.path.getsize(default_gguf) + (64 << 20) + (300 << 20), int(rss) >> 20
