@@ -103,13 +103,12 @@ def test_matmul_matches_float64(kernels, qtype, batch):
 
 def test_prompt_path_keeps_float_inputs(kernels):
     """The first rows of a long chunk come out as they would alone through the float path, and differ
-    from the int8 path's by its rounding: the two paths really are different. Rows of 2048 and 600 weight
+    from the int8 path's by its rounding: the two paths really are different. Rows of 2048 and 2100 weight
     rows take two dequantized tiles."""
-    before = kernels.float_rows()
     kernels.set_float_rows(48)
     try:
         rng = np.random.default_rng(9)
-        for qtype, n, k in ((T.Q4_K, 300, 512), (T.Q4_0, 600, 2048)):
+        for qtype, n, k in ((T.Q4_K, 300, 512), (T.Q4_0, 2100, 2048)):
             data = random_blocks(qtype, n, k, rng)
             w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
             x = torch.randn(48, k)
@@ -119,7 +118,7 @@ def test_prompt_path_keeps_float_inputs(kernels):
             torch.testing.assert_close(long, want, rtol=1e-4, atol=1e-4)  # float32 sums over K
             assert (short - want[:4]).abs().max() > 100 * (long[:4] - want[:4]).abs().max()
     finally:
-        kernels.set_float_rows(before)
+        kernels.set_float_rows(0)
 
 
 def test_bfloat16_activations(kernels):
@@ -137,10 +136,11 @@ def test_bfloat16_prompt_rows_meet_bfloat16_weights(kernels):
     bfloat16 by torch's bfloat16 GEMM: the numbers of the same file dequantized at load into a bfloat16
     model (quantization="none"), not those of float32 weights."""
     rng = np.random.default_rng(6)
-    for qtype, n, k in ((T.Q4_K, 96, 512), (T.Q8_0, 600, 2048), (T.Q6_K, 40, 256)):
+    cases = [(qtype, 96, k) for qtype in TYPES for _, k in SHAPES[gguf.GGML_QUANT_SIZES[qtype][0]]]
+    for qtype, n, k in cases + [(T.Q8_0, 2100, 2048)]:  # (two weight tiles)
         data = random_blocks(qtype, n, k, rng)
         w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
-        x = torch.randn(kernels.float_rows() + 16, k).to(torch.bfloat16)
+        x = torch.randn(kernels.float_rows(bfloat16=True) + 16, k).to(torch.bfloat16)
         got = w.matmul(x)
         assert got.dtype == torch.bfloat16
         w16 = w.dequantize().to(torch.bfloat16)

@@ -104,10 +104,9 @@ def int8_products():
     of 48 rows or more dequantizes the weights and multiplies float inputs instead, so a row's rounding
     depends on the rows in its step (as in llama.cpp, and as torch's GEMM blocks rows differently by
     count); the comparisons below are of schedules on one path."""
-    before = quant.load().float_rows()
     quant.set_float_rows(10**9)
     yield
-    quant.set_float_rows(before)
+    quant.set_float_rows(0)
 
 
 @pytest.mark.parametrize("variant", ["Q4_K_M", "mixed"])
@@ -198,7 +197,6 @@ def test_fused_step_of_many_requests_on_the_float_path(quantized_files):
 
     if cpu_kernels.load() is None:
         pytest.skip("the CPU decode kernels do not run here")
-    before = quant.load().float_rows()
     quant.set_float_rows(1)
     try:
         path = quantized_files["mixed"]
@@ -219,7 +217,7 @@ def test_fused_step_of_many_requests_on_the_float_path(quantized_files):
         gaps = np.array(gaps)
         assert np.mean(gaps == 0) >= 0.99 and gaps.max() < 0.05, (np.mean(gaps == 0), gaps.max())
     finally:
-        quant.set_float_rows(before)
+        quant.set_float_rows(0)
 
 
 def test_memory_is_the_files(quantized_files):

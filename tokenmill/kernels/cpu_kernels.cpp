@@ -1858,8 +1858,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_kv", &quantize_kv, release());
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_plan_threads", &set_plan_threads);
-  m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(1, n)); },
-        "input rows from which block-format products dequantize + GEMM (quant_product.h)");
+  m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(0, n)); },
+        "input rows from which block-format products dequantize + GEMM (quant_product.h); 0: the defaults");
   bind_decoder<float>(m, "FusedDecoderF32");
   bind_decoder<uint16_t>(m, "FusedDecoderBF16");
 #ifdef __AVX512BF16__

@@ -316,6 +316,144 @@ inline void dequantize_row(int type, const uint8_t* row, float* y, int64_t K) {
   dequantize_row_portable(type, row, y, K);
 }
 
+// ---------------------------------------------------------------------------------------------- to bfloat16
+
+// The row's values rounded to bfloat16 (to nearest even), as dequantize_row's floats round: the weight tiles
+// a bfloat16 model's prompt rows are multiplied with. Each value is computed with dequantize_row's float
+// operations, then rounded. The 4- and 5-bit formats take a lookup: a block's (or sub-block's) possible
+// values are few (16 or 32), so they are computed once, rounded once, and each element picks its own with
+// one 16-bit permute per 32 elements.
+inline uint16_t bf16_bits(float f) {  // round to nearest even (these values are finite)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+#ifdef TM_QUANT_AVX512
+inline __m256i bf16x16(__m512 v) {
+#if defined(__AVX512BF16__) && !defined(TOKENMILL_SIMDE)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16));
+#endif
+}
+
+// The 16 values scale * i - offset (sub) or scale * i + offset, i = 0..15 (+16 with `high`), as bf16 words.
+inline __m512i table16(float scale, float offset, bool sub, bool high = false) {
+  const __m512 i = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 p = _mm512_mul_ps(_mm512_set1_ps(scale), high ? _mm512_add_ps(i, _mm512_set1_ps(16.f)) : i);
+  const __m512 o = _mm512_set1_ps(offset);
+  return _mm512_castsi256_si512(bf16x16(sub ? _mm512_sub_ps(p, o) : _mm512_add_ps(p, o)));
+}
+// 32 entries: values 0..15 in words 0-15, 16..31 in words 16-31.
+inline __m512i table32(float scale, float offset, bool sub) {
+  return _mm512_inserti64x4(table16(scale, offset, sub), _mm512_castsi512_si256(table16(scale, offset, sub, true)), 1);
+}
+
+// 32 elements: each 16-bit index (0..31) picks its value from the table.
+inline void store_lookup(uint16_t* y, __m256i idx8, __m512i table) {
+  _mm512_storeu_si512((void*)y, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table));
+}
+
+inline void dequantize_bf16_q8_0(const uint8_t* row, uint16_t* y, int64_t K) {
+  const int64_t nb = K / QK;
+  const uint16_t* d = (const uint16_t*)row;
+  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 db = _mm512_set1_ps(fp16(d[b]));
+    for (int c = 0; c < 2; ++c) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c))));
+      _mm256_storeu_si256((__m256i*)(y + b * QK + 16 * c), bf16x16(_mm512_mul_ps(db, q)));
+    }
+  }
+}
+
+template <bool HAS_MIN>
+inline void dequantize_bf16_q4_01(const uint8_t* row, uint16_t* y, int64_t K) {
+  const int64_t nb = K / QK;
+  const uint16_t* d = (const uint16_t*)row;
+  const uint16_t* m = d + nb;
+  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  // Q4_0: d q - 8 d, equal to the float path's d (q - 8): every product here is exact in float32 (an 11-bit
+  // scale times a 4-bit integer), so the difference is too. Q4_1: d q + m, as the float path.
+  auto table = [&](int64_t b) {
+    const float db = fp16(d[b]);
+    return HAS_MIN ? table16(db, fp16(m[b]), false) : table16(db, 8.f * db, true);
+  };
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + (b / 2) * 32));
+    store_lookup(y + b * QK, _mm256_and_si256(q, m4), table(b));
+    store_lookup(y + (b + 1) * QK, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), table(b + 1));
+  }
+  if (nb % 2) {  // the odd last block, GGUF's nibble order
+    const __m128i q = _mm_loadu_si128((const __m128i*)(qs + (nb / 2) * 32)), m = _mm_set1_epi8(0xF);
+    const __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)),
+                                                _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
+    store_lookup(y + (nb - 1) * QK, idx, table(nb - 1));
+  }
+}
+
+template <bool FIVE>
+inline void dequantize_bf16_q45_k(const uint8_t* row, uint16_t* y, int64_t K) {
+  const int size = FIVE ? 176 : 144;
+  const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    const uint8_t* blk = row + b * size;
+    const float d = fp16(*(const uint16_t*)blk), dmin = fp16(*(const uint16_t*)(blk + 2));
+    const uint8_t* qs = blk + (FIVE ? 48 : 16);
+    __m256i hbits = FIVE ? _mm256_loadu_si256((const __m256i*)(blk + 16)) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      int sc[2], mn[2];
+      scale_min_k4(2 * j, blk + 4, sc[0], mn[0]);
+      scale_min_k4(2 * j + 1, blk + 4, sc[1], mn[1]);
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if (FIVE) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
+        hbits = _mm256_srli_epi16(hbits, 2);
+      }
+      uint16_t* out = y + b * QKK + 64 * j;
+      auto table = [&](int k) {
+        return FIVE ? table32(d * sc[k], dmin * mn[k], true) : table16(d * sc[k], dmin * mn[k], true);
+      };
+      store_lookup(out, lo, table(0));
+      store_lookup(out + 32, hi, table(1));
+    }
+  }
+}
+
+inline void dequantize_bf16_q6_k(const uint8_t* row, uint16_t* y, int64_t K) {
+  thread_local std::vector<float> f;  // Q6_K's 64 values per sub-block: computed in float, then rounded
+  if ((int64_t)f.size() < QKK) f.resize(QKK);
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    dequantize_q6_k(row + b * 210, f.data(), QKK);
+    for (int i = 0; i < QKK; i += 16)
+      _mm256_storeu_si256((__m256i*)(y + b * QKK + i), bf16x16(_mm512_loadu_ps(f.data() + i)));
+  }
+}
+#endif  // TM_QUANT_AVX512
+
+inline void dequantize_row_bf16(int type, const uint8_t* row, uint16_t* y, int64_t K) {
+#ifdef TM_QUANT_AVX512
+  switch (type) {
+    case Q8_0: return dequantize_bf16_q8_0(row, y, K);
+    case Q4_0: return dequantize_bf16_q4_01<false>(row, y, K);
+    case Q4_1: return dequantize_bf16_q4_01<true>(row, y, K);
+    case Q4_K: return dequantize_bf16_q45_k<false>(row, y, K);
+    case Q5_K: return dequantize_bf16_q45_k<true>(row, y, K);
+    case Q6_K: return dequantize_bf16_q6_k(row, y, K);
+  }
+#endif
+  thread_local std::vector<float> f;
+  if ((int64_t)f.size() < K) f.resize(K);
+  dequantize_row(type, row, f.data(), K);
+  for (int64_t k = 0; k < K; ++k) y[k] = bf16_bits(f[k]);
+}
+
 // A row of GGUF blocks into the kernel's layout (see the top of this file); K formats are copied as they are.
 inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
   Format f;

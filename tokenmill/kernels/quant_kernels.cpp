@@ -84,8 +84,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &repack, "GGUF blocks into the kernel's layout of the same bytes", py::arg("blocks"),
         py::arg("type"), py::arg("K"), py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "rows of a block-quantized matrix as float32");
-  m.def("float_rows", [] { return tmq::float_rows.load(); }, "input rows from which products dequantize + GEMM");
-  m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(1, n)); });
+  m.def("float_rows", [](bool bf16) { return tmq::float_rows_for(bf16); }, py::arg("bfloat16") = false,
+        "input rows (float32, or bfloat16) from which products dequantize + GEMM");
+  m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(0, n)); },
+        "one count for both dtypes; 0: the defaults");
 #ifdef TM_QUANT_AVX512
   m.attr("vectorized") = true;
 #else

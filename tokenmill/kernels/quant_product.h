@@ -3,10 +3,10 @@
 //
 //  - Few input rows (decode, short chunks): the weight is read once, row by row, through quant.h's integer
 //    dot products, the inputs quantized to int8 in blocks of 32. The weight stream is the cost.
-//  - kFloatRows rows or more (prompt chunks): tiles of weight rows are dequantized to float32 and multiplied
-//    by torch's GEMM. The multiply-adds are the cost there, and a float GEMM does more of them per cycle
-//    than byte products without VNNI; the inputs also keep their float values (no int8 rounding), so a
-//    prompt's logits are those of the dequantized model.
+//  - float_rows_for() rows or more (prompt chunks, large batches): tiles of weight rows are dequantized to
+//    the inputs' dtype (float32 or bfloat16) and multiplied by torch's GEMM. The multiply-adds are the cost
+//    there, and a float GEMM does more of them per cycle than byte products; the inputs also keep their
+//    float values (no int8 rounding), so a prompt's logits are those of the dequantized model.
 #pragma once
 
 #include <torch/extension.h>
@@ -21,13 +21,28 @@
 
 namespace tmq {
 
-// From this many input rows on, dequantize + GEMM. Measured on a 2048 x 8192 matrix (2 AVX-512 cores without
-// VNNI): at 32 rows the byte products are still faster (~1.3x), at 64 the float GEMM is (~1.2x; ~1.6x at 256).
-// Settable (set_float_rows in each extension; TOKENMILL_QUANT_FLOAT_ROWS): a row's result depends on the
-// path its product took, so tests that compare schedules pin it, and benchmarks compare the two.
+// From this many input rows on, dequantize + GEMM. Measured on 2 cores with a 2048 x 8192 matrix: float32
+// (AVX-512 without VNNI), the byte products were faster at 32 rows (~1.3x), the float GEMM at 64 (~1.2x;
+// ~1.6x at 256). bfloat16 on AMX, whose GEMM runs ~6x the float32 rate: a Q4_K product of 16 rows takes
+// 2.7 ms through the byte products (VNNI) and ~2.5 ms dequantized, one of 47 rows 7.8 and ~3.0 ms.
 constexpr int64_t kFloatRows = 48;
-inline std::atomic<int64_t> float_rows{kFloatRows};
-constexpr int64_t kDequantTileFloats = 1 << 20;  // 4 MiB of dequantized weight rows at a time
+#ifdef __AMX_BF16__
+constexpr int64_t kFloatRowsBf16 = 16;
+#else
+constexpr int64_t kFloatRowsBf16 = kFloatRows;
+#endif
+// Settable (set_float_rows in each extension; TOKENMILL_QUANT_FLOAT_ROWS), one count for both dtypes; 0: the
+// defaults above. A row's result depends on the path its product took, so tests that compare schedules pin
+// it, and benchmarks compare the two.
+inline std::atomic<int64_t> float_rows{0};
+inline int64_t float_rows_for(bool bf16) {
+  const int64_t n = float_rows.load(std::memory_order_relaxed);
+  return n > 0 ? n : bf16 ? kFloatRowsBf16 : kFloatRows;
+}
+// Dequantized weight rows at a time: 4M values (8 MiB in bfloat16, 16 in float32), and at least 1024 rows.
+// Each tile is one GEMM call, which packs its inputs again: measured with AMX, tiles of 1024-2048 rows run
+// within ~10% of one whole GEMM, 512-row tiles at half its speed for some shapes (512 x 8192 by 8192 x 512).
+constexpr int64_t kDequantTileFloats = 1 << 22, kDequantTileRows = 1024;
 
 // Runs fn(tile) for tiles 0..n-1 on torch's intra-op threads, each thread taking the next tile from a
 // shared counter: a thread the OS deschedules (another process on its core) holds up only the tile it has,
@@ -46,17 +61,6 @@ void for_tiles(int64_t n, const F& fn) {
   });
 }
 
-// Row n of W as bfloat16 (round to nearest even, as torch converts), through a float row `f` [K].
-inline void dequantize_row_bf16(int type, const uint8_t* row, c10::BFloat16* y, int64_t K, float* f) {
-  dequantize_row(type, row, f, K);
-  int64_t k = 0;
-#if defined(__AVX512BF16__) && !defined(TOKENMILL_SIMDE)
-  for (; k + 16 <= K; k += 16)
-    _mm256_storeu_si256((__m256i*)(y + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f + k)));
-#endif
-  for (; k < K; ++k) y[k] = c10::BFloat16(f[k]);
-}
-
 // y [M, N] = x [M, K] W^T through tiles of W dequantized to x's dtype (float32 or bfloat16) and torch's
 // GEMM: a bfloat16 model's prompt rows meet bfloat16 weights, as with the file dequantized at load, and
 // run on the CPU's bfloat16 matrix units (AMX, AVX-512 BF16) where it has them, several times the float32
@@ -65,18 +69,16 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
                                 torch::Tensor& y) {
   const int64_t K = x.size(1);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(64, kDequantTileFloats / K));
+  const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(kDequantTileRows, kDequantTileFloats / K));
   thread_local std::vector<float> scratch;  // kept between calls: a fresh one would fault its pages in
   scratch.resize(bf16 ? (tile * K + 1) / 2 : tile * K);
   void* buf = scratch.data();  // (the worker threads below have row buffers of their own)
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t rows = std::min(tile, N - n0);
     for_tiles((rows + 15) / 16, [&](int64_t t) {
-      thread_local std::vector<float> f;
-      if (bf16) f.resize(K);
       for (int64_t n = t * 16; n < std::min(rows, t * 16 + 16); ++n) {
         if (bf16)
-          dequantize_row_bf16(type, w + (n0 + n) * row_bytes, (c10::BFloat16*)buf + n * K, K, f.data());
+          dequantize_row_bf16(type, w + (n0 + n) * row_bytes, (uint16_t*)buf + n * K, K);
         else
           dequantize_row(type, w + (n0 + n) * row_bytes, (float*)buf + n * K, K);
       }
@@ -93,7 +95,7 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
                           torch::Tensor y) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   if (M == 0 || N == 0) return;
-  if (M >= float_rows.load(std::memory_order_relaxed)) return dequantized_product(type, w, row_bytes, N, x, y);
+  if (M >= float_rows_for(x.scalar_type() == torch::kBFloat16)) return dequantized_product(type, w, row_bytes, N, x, y);
   const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();
   const float* xp = x32.data_ptr<float>();
   // The products are float32: straight into y where it is float32 with unit column stride, else through a copy.
