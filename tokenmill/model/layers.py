@@ -12,14 +12,26 @@ from tokenmill.kernels.cpu import linear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm scaling by (offset + weight): offset 0 as Llama, 1 as Gemma (description.py)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference implementations do; the scale applies in the model dtype.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # Normalise in float32 as the reference implementations do. Llama's scale applies in the model
+        # dtype to the rounded value; Gemma's (1 + w) in float32, rounded once at the end.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping), or x where cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -185,14 +197,17 @@ class Embedding(_QuantizableLinear):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up fused; act silu (SwiGLU) or the
+    tanh-approximated GELU (GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.intermediate = intermediate
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)

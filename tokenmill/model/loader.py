@@ -18,7 +18,6 @@ from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels import quant
 from tokenmill.model import arena, gguf_loader
 from tokenmill.model.hub import named_model_at, resolve_model_path
-from tokenmill.model.layers import RotaryEmbedding
 from tokenmill.model.registry import model_class
 
 logger = logging.getLogger("tokenmill")
@@ -107,9 +106,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     else:
         model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
-    cfg = model.config
     # Rotary tables are not weights: build them on the device, kept in float32 for accuracy.
-    model.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotaries = model.make_rotaries(positions).to(device)
     model.eval()
     elapsed = time.perf_counter() - start
     qweights = quantized_weights(model)
