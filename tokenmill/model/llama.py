@@ -1,4 +1,4 @@
-"""The Llama decoder, which Mistral, Qwen2 and Qwen3 reuse through their descriptions (description.py)."""
+"""The Llama decoder, which Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 reuse through their descriptions."""
 
 from __future__ import annotations
 
