@@ -42,6 +42,11 @@ def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[to
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / scaling["factor"], 1.0
+    if rope_type == "freq_factors":  # GGUF's rope_freqs: llama3 scaling as one divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors, 1.0
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -53,7 +58,8 @@ def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[to
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3, "
+                     "freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
