@@ -49,13 +49,13 @@ def llama3_rope_factors(s: dict, head_dim: int, theta: float) -> np.ndarray:
 _ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3"}  # HF model_type -> GGUF architecture
 
 
-def write_llama_gguf(path, folder: str, types, metadata: dict | None = None) -> str:
+def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, skip: tuple[str, ...] = ()) -> str:
     """The tiny model in `folder` (HF format, with its tokenizer; Llama, Gemma 2 or Gemma 3) as a GGUF file,
     laid out as llama.cpp's converter lays it out: Llama's q/k rows permuted and its llama3 rope scaling as a
     rope_freqs tensor; Gemma's norm weights stored as 1 + w. types(gguf name) gives each weight's type name:
     F32, Q8_0/Q4_0/Q4_1/Q5_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
     file's weights are then whatever those blocks hold). Norms stay F32. metadata: more key/value pairs
-    (floats as FLOAT32, ints as INT32)."""
+    (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -128,6 +128,8 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None) -> 
             name = f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"
         else:
             name = names[hf]
+        if name in skip:
+            continue
         w = tensor.to(torch.float32).numpy()
         if gemma and name.endswith("norm.weight"):
             w = w + np.float32(1.0)

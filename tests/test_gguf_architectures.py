@@ -1,12 +1,12 @@
 """GGUF files of each family against transformers on the Hugging Face folder each was made from: Llama 3.1
 (llama3 rope scaling stored as a rope_freqs tensor), Llama 3.2 (the same, embeddings tied), Gemma 2 and
-Gemma 3 (norms stored as 1 + w, four norms a layer, local and global layers); and architectures that are not
-supported."""
+Gemma 3 (norms stored as 1 + w, four norms a layer, local and global layers); and files that cannot load."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -90,6 +90,18 @@ def test_rope_freqs_hold_the_llama3_scaling(files):
     from_folder, _ = _rope_inv_freq(16, 500000.0, LLAMA3)
     plain, _ = _rope_inv_freq(16, 500000.0, None)
     assert torch.allclose(from_file, from_folder, rtol=1e-6) and not torch.allclose(from_file, plain, rtol=0.1)
+
+
+@pytest.mark.parametrize("name,missing", [("llama3.1", "blk.1.attn_k.weight"), ("llama3.1", "blk.0.ffn_gate.weight"),
+                                          ("llama3.1", "output_norm.weight"), ("gemma3", "blk.2.post_ffw_norm.weight"),
+                                          ("gemma3", "blk.0.attn_q_norm.weight")])
+def test_a_missing_tensor_is_named(files, tmp_path, name, missing):
+    """A file without one of the model's tensors is refused with that tensor's GGUF name, a part of a
+    merged projection (k of q/k/v, gate of gate/up) too."""
+    folder, _ = files[name]
+    path = write_llama_gguf(tmp_path / "incomplete.gguf", folder, _float, skip=(missing,))
+    with pytest.raises(ValueError, match=rf"incomplete.gguf lacks tensor '{re.escape(missing)}'"):
+        LLM(path, dtype="float32")
 
 
 def test_unsupported_architectures_list_the_supported_ones(files, tmp_path):

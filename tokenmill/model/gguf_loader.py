@@ -219,6 +219,18 @@ def _hf_name(name: str, arch: str) -> str:
     return f"{_TOP_NAMES[base]}.{kind}"
 
 
+def gguf_name(hf: str, arch: str) -> str:
+    """The GGUF name of a Hugging Face tensor name, in a file of architecture `arch` (_hf_name's inverse)."""
+    m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
+    if m:
+        layer, part, kind = m.groups()
+        names = {v: k for k, v in (_GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES).items()}
+        return f"blk.{layer}.{names.get(part, part)}.{kind}"
+    base, _, kind = hf.rpartition(".")
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    return f"{top.get(base, base)}.{kind}"
+
+
 # Projections the decoder stores as one matrix: kept quantized only where every part is.
 _MERGED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
 _FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
@@ -276,7 +288,8 @@ def quantized_layout(reader: GGUFFile, plan: set[str]) -> tuple[dict[str, tuple[
         for name in _merged_group(hf):
             data = by_name[name].data if name in by_name else None
             if data is None or name not in plan:
-                raise ValueError(f"GGUF file lacks {name!r}, a part of a merged projection")
+                raise ValueError(f"GGUF file lacks tensor {gguf_name(name, reader.arch)!r}, a part of a merged "
+                                 "projection")
             layout[name] = (total, data.shape[0], data.shape[1])
             total += data.shape[0] * data.shape[1]
     return layout, total

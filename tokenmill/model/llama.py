@@ -216,9 +216,28 @@ class LlamaForCausalLM(nn.Module):
                 module.quantize_weight()
                 self.quantized = True
 
+    def _checkpoint_names(self) -> set[str]:
+        """The Hugging Face names (without "model.") of the tensors a checkpoint must hold for this model:
+        each part of a merged projection under its own name."""
+        unstacked: dict[str, list[str]] = {}  # merged module name part -> its checkpoint name parts
+        for part, (fused, _) in self._STACKED.items():
+            unstacked.setdefault(fused, []).append(part)
+        names = set()
+        for module_name, module in self.named_modules():
+            if not hasattr(module, "weight"):
+                continue
+            prefix, _, leaf = module_name.rpartition(".")
+            for kind in ("weight", "bias"):
+                if getattr(module, kind, None) is None and not (kind == "weight" and getattr(module, "quantized", False)):
+                    continue
+                for part in unstacked.get(leaf, [leaf]):
+                    names.add(f"{prefix}.{part}.{kind}" if prefix else f"{part}.{kind}")
+        return names
+
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters; quantized weights
-        (QuantizedWeight) go to the modules quantize_weights() prepared for them."""
+        (QuantizedWeight) go to the modules quantize_weights() prepared for them. A checkpoint that lacks
+        any tensor, a part of a merged projection included, raises MissingWeights."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -234,13 +253,14 @@ class LlamaForCausalLM(nn.Module):
                 if not getattr(module, "quantized", False):
                     raise ValueError(f"checkpoint tensor {name!r} is quantized but its layer was not prepared for it")
                 module.load_quantized(idx, tensor)
+                loaded.add(name)
                 continue
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, idx = self._STACKED[parts[-2]]
                 module_name = ".".join(parts[:-2] + [fused])
                 module = self.get_submodule(module_name)
                 module.load_shard(idx, tensor, is_bias=parts[-1] == "bias")
-                loaded.add(f"{module_name}.{parts[-1]}")
+                loaded.add(name)
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
@@ -250,7 +270,14 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 p.copy_(tensor)
             loaded.add(name)
-        missing = set(params) - loaded
-        missing |= {f"{n}.weight" for n, m in self.named_modules() if getattr(m, "missing_parts", False)}
+        missing = self._checkpoint_names() - loaded
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise MissingWeights(sorted(n if n.startswith("lm_head.") else f"model.{n}" for n in missing))
+
+
+class MissingWeights(ValueError):
+    """A checkpoint lacks tensors the model needs; `names` in Hugging Face naming."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"checkpoint lacks {len(names)} tensors, e.g. {names[:3]}")
+        self.names = names
