@@ -43,7 +43,7 @@ def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[to
     if rope_type == "linear":
         return inv_freq / scaling["factor"], 1.0
     if rope_type == "freq_factors":  # GGUF's rope_freqs: llama3 scaling as one divisor per frequency
-        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device=inv_freq.device)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} frequencies")
         return inv_freq / factors, 1.0
