@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -48,11 +49,17 @@ def make_tokenizer(folder: str):
 
 
 def _configs(vocab: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    # Gemma 3: two local layers (a window of 8, shorter than most prompts) then a global one whose rope is
+    # scaled; q has more columns than the hidden size; the attention scale differs from head_dim's; and
+    # sqrt(96) is not a bfloat16 number (the embedding scale is rounded as the reference rounds it).
+    gemma = dict(common, hidden_size=96, head_dim=32, num_hidden_layers=3, sliding_window=8,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                 rope_scaling={"rope_type": "linear", "factor": 2.0})
     return {
         "llama": LlamaConfig(**common, rope_theta=10000.0),
         "llama3-tied": LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
@@ -61,10 +68,14 @@ def _configs(vocab: int):
         "mistral": MistralConfig(**common, sliding_window=24),
         "qwen2": Qwen2Config(**common),
         "qwen3": Qwen3Config(**common, head_dim=32),
+        "gemma3": Gemma3TextConfig(**gemma),
+        # Softcaps small enough to bend these tiny models' attention and output logits.
+        "gemma2": Gemma2Config(**common, head_dim=16, sliding_window=8, query_pre_attn_scalar=20,
+                               attn_logit_softcapping=1.0, final_logit_softcapping=1.5),
     }
 
 
-ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
 
 
 def save_tiny_models(root, configs) -> dict[str, str]:
@@ -77,6 +88,12 @@ def save_tiny_models(root, configs) -> dict[str, str]:
     for name, cfg in configs(len(tok)).items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if cfg.model_type.startswith("gemma"):
+            # Gemma's norms start at w = 0 (a scale of 1 + 0): random ones exercise the (1 + w) arithmetic.
+            with torch.no_grad():
+                for param_name, p in model.named_parameters():
+                    if param_name.endswith("norm.weight"):
+                        p.normal_(0.0, 0.5)
         folder = str(root / name)
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
@@ -98,11 +115,28 @@ def default_gguf() -> str:
     return pull()
 
 
-def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
-    """Reference: transformers' greedy generate of each prompt alone, plus last-position logprobs."""
+def block_bytes(folder: str, block_size: int) -> int:
+    """Bytes of one float32 KV block of the model in folder."""
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * block_size * c["num_key_value_heads"] * head_dim * 4
+
+
+def reference_model(folder: str):
+    """transformers' model of a folder in float32: with eager attention for Gemma, the implementation that
+    applies its attention softcapping."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with open(os.path.join(folder, "config.json")) as f:
+        eager = json.load(f).get("model_type", "").startswith("gemma")
+    kwargs = {"attn_implementation": "eager"} if eager else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
+    """Reference: transformers' greedy generate of each prompt alone, plus last-position logprobs."""
+    model = reference_model(folder)
     tokens, logprobs = [], []
     with torch.no_grad():
         for ids in prompts:

@@ -1,5 +1,6 @@
-"""Tiny Llama GGUF files with quantized tensors, written with the gguf package as llama.cpp's converter lays
-them out (q/k rows permuted, tokenizer in metadata): fixtures for the quantized-weight path."""
+"""Tiny GGUF files (Llama, Gemma 2, Gemma 3), float or with quantized tensors, written with the gguf package
+as llama.cpp's converter lays them out (tokenizer in metadata): fixtures for the GGUF loader and the
+quantized-weight path."""
 
 from __future__ import annotations
 
@@ -32,11 +33,29 @@ def random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def write_llama_gguf(path, folder: str, types, metadata: dict | None = None) -> str:
-    """The tiny Llama in `folder` (HF format, with its tokenizer) as a GGUF file. types(gguf name) gives each
-    weight's type name: F32, Q8_0/Q4_0/Q4_1/Q5_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K
-    (random blocks: the file's weights are then whatever those blocks hold). Norms stay F32. metadata: more
-    key/value pairs (floats as FLOAT32, ints as INT32)."""
+def llama3_rope_factors(s: dict, head_dim: int, theta: float) -> np.ndarray:
+    """The divisor of each rope frequency under llama3 rope scaling `s`, as llama.cpp's converter stores it
+    in a rope_freqs tensor: 1 for short wavelengths, `factor` for long ones, between them the reciprocal
+    of the blend (1 - smooth) / factor + smooth that transformers applies to the frequency."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    old = s["original_max_position_embeddings"]
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    blend = 1.0 / ((1 - smooth) / s["factor"] + smooth)
+    return np.where(wavelen < high, 1.0, np.where(wavelen > low, s["factor"], blend)).astype(np.float32)
+
+
+_ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3"}  # HF model_type -> GGUF architecture
+
+
+def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, skip: tuple[str, ...] = ()) -> str:
+    """The tiny model in `folder` (HF format, with its tokenizer; Llama, Gemma 2 or Gemma 3) as a GGUF file,
+    laid out as llama.cpp's converter lays it out: Llama's q/k rows permuted and its llama3 rope scaling as a
+    rope_freqs tensor; Gemma's norm weights stored as 1 + w. types(gguf name) gives each weight's type name:
+    F32, Q8_0/Q4_0/Q4_1/Q5_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
+    file's weights are then whatever those blocks hold). Norms stay F32. metadata: more key/value pairs
+    (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -44,19 +63,35 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None) -> 
 
     with open(f"{folder}/config.json") as f:
         cfg = json.load(f)
+    arch = _ARCH[cfg["model_type"]]
+    gemma = arch.startswith("gemma")
     state = load_file(f"{folder}/model.safetensors")
     tok = AutoTokenizer.from_pretrained(folder)
     rng = np.random.default_rng(0)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    rope = cfg.get("rope_parameters") or {}
+    if gemma:
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_sliding_window(cfg["sliding_window"])
+        rope = rope.get("full_attention", rope)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None:
+                writer.add_float32(f"{arch}.{key}", float(cfg[key]))
+    theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    writer.add_rope_freq_base(theta)
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -77,15 +112,28 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None) -> 
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    if gemma:
+        parts.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"})
+    if scaling and scaling["rope_type"] == "llama3":
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, head_dim, theta))
     for hf, tensor in state.items():
+        if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
         if hf.startswith("model.layers."):
             layer, rest = hf.removeprefix("model.layers.").split(".", 1)
             name = f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"
         else:
             name = names[hf]
+        if name in skip:
+            continue
         w = tensor.to(torch.float32).numpy()
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if gemma and name.endswith("norm.weight"):
+            w = w + np.float32(1.0)
+        if not gemma and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _permute(w, heads if "attn_q" in name else kv_heads)
         kind = "F32" if w.ndim == 1 else types(name)
         if kind == "F32":

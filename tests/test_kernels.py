@@ -62,7 +62,7 @@ def _random_requests(lens, h, kvh, d, bs, dtype, seed):
     return q, k_cache, v_cache, bt, torch.tensor(lens)
 
 
-def _dense_reference(q, k_cache, v_cache, bt, lens, bs, window, scale):
+def _dense_reference(q, k_cache, v_cache, bt, lens, bs, window, scale, softcap=None):
     out = torch.empty(q.shape, dtype=torch.float64)
     for i in range(q.shape[0]):
         n = int(lens[i])
@@ -72,6 +72,8 @@ def _dense_reference(q, k_cache, v_cache, bt, lens, bs, window, scale):
         group = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         scores = torch.einsum("hd,nhd->hn", q[i].double(), keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if window:
             scores[:, : max(0, n - window)] = float("-inf")
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
@@ -118,7 +120,7 @@ def test_paged_decode_attention_splits_long_contexts(dtype, window, lens, kvh):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [16, 48, 80, 128])  # odd multiples of 16 leave half of the last bf16 pair empty
+@pytest.mark.parametrize("d", [16, 48, 80, 128, 256])  # odd multiples of 16 leave half of the last bf16 pair empty
 @pytest.mark.parametrize("h,kvh", [(7, 1), (8, 2), (4, 4)])  # query heads per KV head above, at and below a group
 def test_paged_decode_attention_head_shapes(dtype, d, h, kvh):
     bs = 16
@@ -129,6 +131,35 @@ def test_paged_decode_attention_head_shapes(dtype, d, h, kvh):
         out = kernel.paged_decode_attention(q[rows], k_cache, v_cache, bt[rows], lens_t[rows], bs, scale, 0)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(out.double(), ref[rows], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("lens", [[300], [37, 3, 70]])  # token ranges merged across threads; heads split
+def test_paged_decode_attention_softcaps_logits(dtype, window, lens, monkeypatch):
+    """softcap > 0: the logits pass through softcap * tanh(logits / softcap) before the softmax (Gemma 2
+    style), in the kernel and the portable path; caps of 0.3 and 3 bend logits of this size a lot and
+    a little, on both sides of tanh's polynomial/exponential seam."""
+    from tokenmill.attention.backend import AttentionMetadata
+    from tokenmill.attention.cpu import TorchSDPABackend
+
+    d, bs = 64, 16
+    q, k_cache, v_cache, bt, lens_t = _random_requests(lens, 6, 2, d, bs, dtype, seed=5)
+    scale = d ** -0.5
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    meta = AttentionMetadata(slot_mapping=torch.tensor([], dtype=torch.long), query_start_loc=[], seq_lens=[],
+                             num_decodes=q.shape[0], decode_block_tables=bt, decode_seq_lens=lens_t,
+                             block_tables=[], block_size=bs)
+    for cap in (0.3, 3.0):
+        ref = _dense_reference(q, k_cache, v_cache, bt, lens_t, bs, window, scale, softcap=cap)
+        uncapped = _dense_reference(q, k_cache, v_cache, bt, lens_t, bs, window, scale)
+        assert (ref - uncapped).abs().max() > 0.01  # the cap matters here (against float32's tolerance)
+        out = kernel.paged_decode_attention(q, k_cache, v_cache, bt, lens_t, bs, scale, window or 0, softcap=cap)
+        assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), cap
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernels, "load", lambda: None)
+            fallback = TorchSDPABackend._decode(q, k_cache, v_cache, meta, scale, window, cap)
+        assert torch.allclose(fallback.double(), ref, atol=tol, rtol=tol), cap
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

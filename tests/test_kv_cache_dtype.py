@@ -214,7 +214,7 @@ def test_schedules_see_the_same_cache_values(tiny_models, kind):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decoder_agrees_with_the_module_path(tiny_models, arch, kind, dtype):

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
-from tests.conftest import ARCHS, PROMPTS, hf_greedy
+from tests.conftest import ARCHS, PROMPTS, block_bytes, hf_greedy, reference_model  # noqa: F401 (block_bytes: shared)
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu as cpu_kernels
 
@@ -23,12 +20,6 @@ MODES = {
     "preempt": {"block_size": 4, "kv_cache_blocks": 20},
 }
 
-def block_bytes(folder: str, block_size: int) -> int:
-    """Bytes of one float32 KV block of the model in folder."""
-    with open(os.path.join(folder, "config.json")) as f:
-        c = json.load(f)
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * block_size * c["num_key_value_heads"] * head_dim * 4
 
 
 _reference_cache: dict[str, tuple] = {}
@@ -73,9 +64,11 @@ def test_greedy_matches_transformers(tiny_models, arch, mode):
     assert all(b.ref_cnt == 0 for b in pool.blocks)
 
 
-def test_shared_prefixes_reuse_cache_and_match(tiny_models):
-    """Many requests sharing prefixes of different lengths: cache hits happen, tokens equal transformers'."""
-    folder = tiny_models["llama"]
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_shared_prefixes_reuse_cache_and_match(tiny_models, arch):
+    """Many requests sharing prefixes of different lengths: cache hits happen, tokens equal transformers'
+    (Gemma 3's: windows of 8 over blocks of 4, so hits end inside and beyond local layers' windows)."""
+    folder = tiny_models[arch]
     llm = LLM(folder, dtype="float32", block_size=4)
     tok = llm.get_tokenizer()
     base = tok.encode(PROMPTS[5])
@@ -115,8 +108,6 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     """bf16 (fused whole-step decode where the CPU kernels run, and module by module) against transformers
     in float32, teacher-forced on our own tokens: each chosen token is the reference's greedy choice up to
     bf16 rounding, and its logprob agrees with the reference's."""
-    from transformers import AutoModelForCausalLM
-
     folder = tiny_models[arch]
     llm = LLM(folder, dtype="bfloat16", seed=0, kv_cache_memory=1 << 22)
     model = llm.engine.model
@@ -135,7 +126,7 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     else:
         assert fused_steps == 0
 
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = reference_model(folder)
     lp_err, gaps = [], []
     for ids, out in zip(prompt_ids, outs):
         gen = out.outputs[0].token_ids

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency
 
-from conftest import ARCHS, PROMPTS
+from conftest import ARCHS, PROMPTS, block_bytes
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec.proposer import AdaptiveDraft, ngram_lookup
 
@@ -84,7 +84,7 @@ def test_proposals_only_while_the_step_has_room(tiny_models):
 MODES = {
     "batched": dict(block_size=4),
     "chunked": dict(block_size=4, max_num_batched_tokens=12, long_prefill_token_threshold=6),
-    "preempted": dict(block_size=4, kv_cache_memory=96 * 1024, max_num_seqs=8),
+    "preempted": dict(block_size=4, kv_cache_blocks=48, max_num_seqs=8),  # 96 KiB of the 2-layer models' blocks
     "single-steps": dict(block_size=4, num_scheduler_steps=1, enable_prefix_caching=False),
 }
 
@@ -92,7 +92,9 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_outputs_equal_decoding_without_speculation(tiny_models, arch, mode):
-    kw = MODES[mode]
+    kw = dict(MODES[mode])
+    if "kv_cache_blocks" in kw:  # the same number of blocks whatever a block of this model weighs
+        kw["kv_cache_memory"] = kw.pop("kv_cache_blocks") * block_bytes(tiny_models[arch], kw["block_size"])
     prompts = PROMPTS + PROMPTS[:3]  # repeated prompts: prefix-cache hits
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     base = LLM(tiny_models[arch], dtype="float32", **kw)

@@ -36,6 +36,7 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
+                sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]. softcap: the
+        logits (scaled q.k) become softcap * tanh(logits / softcap) before the softmax."""
         raise NotImplementedError

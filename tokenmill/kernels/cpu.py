@@ -6,9 +6,9 @@
   with the `vdpbf16ps` instruction, and prefetches the weight stream ahead of itself.
 - paged_decode_attention: single-query attention read straight from the paged KV cache through each
   request's block table, so the keys and values are read once and never gathered into a copy.
-- FusedDecoderF32 / FusedDecoderBF16: a whole decode step of a Llama-family decoder in one call (the
-  model builds it from its own weights, dense or in GGUF block formats), so the small per-layer
-  operations cost no Python dispatch.
+- FusedDecoderF32 / FusedDecoderBF16: a whole decode step in one call (the model builds it from its own
+  weights, dense or in GGUF block formats, and its description: model/description.py), so the small
+  per-layer operations cost no Python dispatch.
 
 They are written here because no maintained library ships such kernels for torch on the CPU. They are
 written in AVX-512 (F, BW, VL, DQ) intrinsics; on x86-64 CPUs with AVX2, FMA and F16C instead (most laptops
@@ -288,6 +288,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             and _module is not None):
         return _module.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def head_dim_ok(head_dim: int) -> bool:
+    """Whether the attention kernels take this head size (multiples of 16 up to 128, and 256)."""
+    return head_dim % 16 == 0 and head_dim >= 16 and (head_dim <= 128 or head_dim == 256)
 
 
 def max_gemv_rows() -> int:

@@ -5,9 +5,10 @@
 // - paged_decode_attention: single-query attention read straight from the paged KV cache through each
 //   request's block table (no gather into a copy). The cache holds values in the activations' type, or
 //   8-bit codes (int8, fp8 e4m3) with a scale per token and KV head, read in place.
-// - FusedDecoderF32 / FusedDecoderBF16: a whole decode step of a Llama-family decoder (norms,
-//   projections, rotary, cache write, attention, SwiGLU, residuals) in one call, so that the hundreds of
-//   small per-layer tensor operations cost no Python dispatch. Activations, residual stream and KV cache
+// - FusedDecoderF32 / FusedDecoderBF16: a whole decode step of a decoder as model/description.py
+//   describes it (norms, projections, rotary, cache write, attention, SwiGLU or GeGLU, residuals; Gemma's
+//   extra norms, per-layer rope tables and softcaps) in one call, so that the hundreds of small per-layer
+//   tensor operations cost no Python dispatch. Activations, residual stream and KV cache
 //   are in the model's dtype (bf16 values rounded where the eager model rounds them); each weight matrix
 //   is dense in that dtype or in a GGUF block format (quant.h), part by part.
 //
@@ -333,6 +334,23 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// tanh(x) in float32: an odd polynomial (Taylor, to degree 9) where |x| < 1/4, where 1 - 2 / (exp(2x) + 1)
+// would lose digits to cancellation; that form elsewhere (relative error below 1e-6 throughout).
+inline __m512 tanh_ps(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x), x2 = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(62.f / 2835.f);
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-17.f / 315.f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.f / 15.f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-1.f / 3.f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, x2), x, x);
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_ps(_mm512_add_ps(ax, ax));
+  const __m512 big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  const __m512 signed_big = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(big), _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.25f), _CMP_LT_OQ), signed_big, small);
+}
+
 // r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs are interleaved and added level by
 // level (within 128-bit lanes, then across them), 45 instructions where 16 separate horizontal sums
 // take over 120.
@@ -442,7 +460,7 @@ struct KVLayer {
 // scattered blocks and each is used once, so they are prefetched a number of tokens ahead of use.
 template <typename T, KVCode C, int DV>
 void attend_part(const T* q, const KVLayer& kv, const int64_t* bt, int64_t b, int64_t kh0, int64_t kh1,
-                 int64_t t0, int64_t t1, int64_t H, int64_t KVH, int64_t nb, int64_t bs, float scale,
+                 int64_t t0, int64_t t1, int64_t H, int64_t KVH, int64_t nb, int64_t bs, float scale, float softcap,
                  float* m_out, float* l_out, float* acc_out, std::vector<float>& scores,
                  std::vector<int64_t>& heads, std::vector<float>& keys) {
   constexpr int64_t D = DV * 16;
@@ -542,8 +560,10 @@ void attend_part(const T* q, const KVLayer& kv, const int64_t* bt, int64_t b, in
           part[i] = s;
         }
       }
-      _mm512_mask_storeu_ps(scores.data() + h * n + (ta - t0), (__mmask16)((1u << cnt) - 1),
-                            _mm512_mul_ps(sum_lanes16(part), sc));
+      __m512 logits = _mm512_mul_ps(sum_lanes16(part), sc);
+      if (softcap > 0.f)
+        logits = _mm512_mul_ps(tanh_ps(_mm512_div_ps(logits, _mm512_set1_ps(softcap))), _mm512_set1_ps(softcap));
+      _mm512_mask_storeu_ps(scores.data() + h * n + (ta - t0), (__mmask16)((1u << cnt) - 1), logits);
     }
   }
   for (int64_t h = 0; h < NH; ++h) {  // exp(score - max) in float32
@@ -598,8 +618,13 @@ void attend_part(const T* q, const KVLayer& kv, const int64_t* bt, int64_t b, in
     }
 }
 
+// The head sizes the attention kernels are built for (a row and its accumulators are held in registers,
+// 16 floats each): multiples of 16 up to 128, and 256 (Gemma's).
+inline bool head_dim_ok(int64_t D) { return D % 16 == 0 && D >= 16 && (D <= 128 || D == 256); }
+constexpr const char* kHeadDims = "head_dim must be a multiple of 16 up to 128, or 256";
+
 // out[b, h, :] = softmax(q[b, h] . K[t] * scale) V over each request's tokens (the last `window` ones
-// when window > 0). Work is split into parts of (request, KV heads, token range). A part takes all of a
+// when window > 0); with softcap > 0 the logits become softcap * tanh(logits / softcap) first. Work is split into parts of (request, KV heads, token range). A part takes all of a
 // request's KV heads over a range of its tokens: a token's K (and V) rows of every head are adjacent in
 // its slot, so a part reads each block front to back, a stream the hardware prefetches (parts of one
 // head each read every third row piece, and mostly wait for memory). Each request's tokens are split
@@ -613,16 +638,17 @@ void attend_part(const T* q, const KVLayer& kv, const int64_t* bt, int64_t b, in
 // step makes it once for all its layers of one window.
 struct AttentionPlan {
   int64_t B, H, KVH, D, G, nb, bs, window, head_groups, heads_per_group, parts, per_part;
-  float scale;
+  float scale, softcap;
   const int64_t* bt;
   const int64_t* lens;
   std::vector<int64_t> chunks, first;  // per request: its token ranges, and the index of its first part
   std::vector<float> m, l, acc;  // per part and query head: the largest score, exp-sum and V-sum
 
   AttentionPlan(const int64_t* block_tables, const int64_t* seq_lens, int64_t B_, int64_t H_, int64_t KVH_,
-                int64_t D_, int64_t nb_, int64_t bs_, float scale_, int64_t window_, int64_t threads)
+                int64_t D_, int64_t nb_, int64_t bs_, float scale_, int64_t window_, int64_t threads,
+                float softcap_ = 0.f)
       : B(B_), H(H_), KVH(KVH_), D(D_), G(H_ / KVH_), nb(nb_), bs(bs_), window(window_), scale(scale_),
-        bt(block_tables), lens(seq_lens) {
+        softcap(softcap_), bt(block_tables), lens(seq_lens) {
     constexpr int64_t kMinChunk = 32;  // tokens: shorter ranges cost more in merging than they save
     chunks.resize(B);
     first.resize(B + 1);
@@ -676,13 +702,14 @@ struct AttentionPlan {
   void run_part_as(int64_t i, const T* q, const KVLayer& kv, Scratch& s) {
     const auto [b, kh0, kh1, t0, t1] = part(i);
     float *mo = &m[i * per_part], *lo = &l[i * per_part], *ao = &acc[i * per_part * D];
-    switch (D / 16) {  // head_dim is a multiple of 16, at most 128
-#define TOKENMILL_PART(DV)                                                                                  \
-  case DV:                                                                                                  \
-    return attend_part<T, C, DV>(q, kv, bt, b, kh0, kh1, t0, t1, H, KVH, nb, bs, scale, mo, lo, ao, s.scores, \
-                                 s.heads, s.keys);
+    switch (D / 16) {  // head_dim_ok(D)
+#define TOKENMILL_PART(DV)                                                                                   \
+  case DV:                                                                                                   \
+    return attend_part<T, C, DV>(q, kv, bt, b, kh0, kh1, t0, t1, H, KVH, nb, bs, scale, softcap, mo, lo, ao, \
+                                 s.scores, s.heads, s.keys);
       TOKENMILL_PART(1) TOKENMILL_PART(2) TOKENMILL_PART(3) TOKENMILL_PART(4)
       TOKENMILL_PART(5) TOKENMILL_PART(6) TOKENMILL_PART(7) TOKENMILL_PART(8)
+      TOKENMILL_PART(16)
 #undef TOKENMILL_PART
     }
   }
@@ -744,8 +771,9 @@ void set_plan_threads(int64_t n) { g_plan_threads.store(std::max<int64_t>(0, n))
 
 template <typename T>
 void decode_attention(const T* q, const KVLayer& kv, const int64_t* bt, const int64_t* lens, T* out, int64_t B,
-                      int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale, int64_t window) {
-  AttentionPlan plan(bt, lens, B, H, KVH, D, nb, bs, scale, window, plan_threads());
+                      int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale, int64_t window,
+                      float softcap) {
+  AttentionPlan plan(bt, lens, B, H, KVH, D, nb, bs, scale, window, plan_threads(), softcap);
   at::parallel_for(0, plan.parts, 1, [&](int64_t i0, int64_t i1) {
     AttentionPlan::Scratch s;
     for (int64_t i = i0; i < i1; ++i) plan.run_part<T>(i, q, kv, s);
@@ -760,8 +788,10 @@ void decode_attention(const T* q, const KVLayer& kv, const int64_t* bt, const in
 
 // y = w * round(x / rms(x)) over rows of length n (a multiple of 16), as the eager model computes it:
 // the normalisation in float32, rounded to the activation type, then scaled by the weight and rounded again.
+// With an offset (Gemma's 1): y = round(x / rms(x) * (offset + w)), the scale applied in float32 as its
+// reference applies it. y may be x.
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps, float offset = 0.f) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * n;
     __m512 ss = _mm512_setzero_ps();
@@ -770,6 +800,12 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float 
       ss = _mm512_fmadd_ps(v, v, ss);
     }
     const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
+    if (offset != 0.f) {
+      const __m512 off = _mm512_set1_ps(offset);
+      for (int64_t i = 0; i < n; i += 16)
+        store16(y + r * n + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv), _mm512_add_ps(off, load16(w + i))));
+      continue;
+    }
     for (int64_t i = 0; i < n; i += 16)
       store16(y + r * n + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(xr + i), inv))));
   }
@@ -789,6 +825,44 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
     const __m512 g = load16(gate + i), u = load16(up + i);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
     store16(out + i, _mm512_mul_ps(round16<T>(silu), u));
+  }
+}
+
+// out = round(round(gelu_tanh(gate)) * up) over n values, n a multiple of 16: GeGLU. gelu_tanh(g) =
+// g (1 + tanh(u)) / 2 = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3).
+template <typename T>
+void gelu_tanh_mul(const T* gate, const T* up, T* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f), k = _mm512_set1_ps(-2.f * 0.7978845608028654f), c = _mm512_set1_ps(0.044715f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 g = load16(gate + i), u = load16(up + i);
+    const __m512 inner = _mm512_mul_ps(k, _mm512_fmadd_ps(_mm512_mul_ps(c, g), _mm512_mul_ps(g, g), g));
+    const __m512 gelu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(inner)));
+    store16(out + i, _mm512_mul_ps(round16<T>(gelu), u));
+  }
+}
+
+// The gated MLP's activation (description.py's `activation`).
+enum class Activation : int { kSilu = 0, kGeluTanh = 1 };
+
+template <typename T>
+inline void gate_mul(Activation a, const T* gate, const T* up, T* out, int64_t n) {
+  if (a == Activation::kGeluTanh) gelu_tanh_mul(gate, up, out, n);
+  else silu_mul(gate, up, out, n);
+}
+
+// y = round(round(tanh(round(y / cap))) * cap) over n values in place (logit softcapping, rounded at each
+// step as the eager model's three operations round).
+template <typename T>
+void softcap_rows(T* y, int64_t n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    store16(y + i, _mm512_mul_ps(round16<T>(tanh_ps(round16<T>(_mm512_div_ps(load16(y + i), c)))), c));
+  if (i < n) {  // the tail, through a full vector
+    alignas(64) T tail[16] = {};
+    std::memcpy(tail, y + i, (n - i) * sizeof(T));
+    softcap_rows(tail, 16, cap);
+    std::memcpy(y + i, tail, (n - i) * sizeof(T));
   }
 }
 
@@ -1126,15 +1200,18 @@ void matrix_row(const Matrix& W, int64_t id, T* y) {
 
 // ---------------------------------------------------------------------------------- fused decoder
 
-// One decoder layer's weights, its slice of the KV cache and its attention window.
+// One decoder layer's weights, its slice of the KV cache, its attention window and its rotary table.
 template <typename T>
 struct LayerWeights {
-  torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  torch::Tensor input_norm, post_norm, k_cache, v_cache;  // post_norm: the norm of the MLP's input
   Matrix qkv, o, gate_up, down;
   c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
   int64_t window;  // the last `window` tokens; 0: all of them
   torch::Tensor k_scale, v_scale;  // [slots, KV heads] bfloat16 where the cache holds 8-bit codes
   KVCode code;
+  // Gemma's sandwich norms: of the attention output and of the MLP output, before each joins the residual.
+  c10::optional<torch::Tensor> attn_out_norm, ffn_out_norm;
+  int64_t rope;  // the index of the layer's rotary table
 
   KVLayer kv() const {
     auto scales = [](const torch::Tensor& t) {
@@ -1202,14 +1279,22 @@ class FusedDecoder {
 
   // embed, head: the token embedding [vocab, hidden] and the output layer [vocab', hidden] (the same
   // parts where they are tied), as matrix parts; cos, sin [positions, head_dim] float32: the rotary
-  // tables (rounded to T as the eager model rounds them).
+  // tables (rounded to T as the eager model rounds them), table 0 of those add_rope adds (for layers that
+  // differ in rope; add_layer's `rope`). The rest is the architecture's description (model/description.py):
+  // norms scale by (norm_offset + w); the MLP's activation (Activation); embeddings are multiplied by
+  // embed_scale (already in T's precision); attention and output logits are soft-capped where their cap > 0.
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                double scale, int64_t block_size, torch::Tensor final_norm, const PartList& embed,
-               const PartList& head, torch::Tensor cos, torch::Tensor sin)
+               const PartList& head, torch::Tensor cos, torch::Tensor sin, double norm_offset, int64_t activation,
+               double embed_scale, double attn_softcap, double final_softcap)
       : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps),
         scale_((float)scale), bs_(block_size), final_norm_(final_norm.contiguous()),
-        cos_(cos.contiguous()), sin_(sin.contiguous()) {
-    TORCH_CHECK(D_ % 16 == 0 && D_ <= 128, "head_dim must be a multiple of 16, at most 128");
+        norm_offset_((float)norm_offset),
+        activation_(static_cast<Activation>(activation)), embed_scale_((float)embed_scale),
+        attn_softcap_((float)attn_softcap), final_softcap_((float)final_softcap) {
+    TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 (silu) or 1 (gelu_tanh)");
+    TORCH_CHECK(attn_softcap >= 0 && final_softcap >= 0, "softcaps: 0 (none) or positive");
+    TORCH_CHECK(head_dim_ok(D_), kHeadDims);
     TORCH_CHECK(H_ % KVH_ == 0, "heads must be a multiple of KV heads");
     TORCH_CHECK(bs_ >= 1, "block_size must be at least 1");
     TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.scalar_type() == kDtype, "final_norm: [hidden] in the decoder's dtype");
@@ -1217,8 +1302,19 @@ class FusedDecoder {
     embed_ = make_matrix<T>(embed, hidden_, "embed");
     head_ = make_matrix<T>(head, hidden_, "head");
     TORCH_CHECK(head_.N <= embed_.N, "the output layer has more rows than the embedding");
-    TORCH_CHECK(cos_.scalar_type() == torch::kFloat && cos_.sizes() == sin_.sizes() && cos_.size(1) == D_,
+    add_rope(cos, sin);
+  }
+
+  // Adds a rotary table (cos, sin: float32 [positions, head_dim], as many positions as table 0); returns
+  // its index, for add_layer's `rope`.
+  int64_t add_rope(torch::Tensor cos, torch::Tensor sin) {
+    cos = cos.contiguous(), sin = sin.contiguous();
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == D_,
                 "cos, sin: float32 [positions, head_dim]");
+    TORCH_CHECK(cos_.empty() || cos.size(0) == positions(), "every rotary table covers the same positions");
+    cos_.push_back(cos);
+    sin_.push_back(sin);
+    return (int64_t)cos_.size() - 1;
   }
 
   void add_layer(torch::Tensor input_norm, const PartList& qkv, c10::optional<torch::Tensor> qkv_bias,
@@ -1226,19 +1322,24 @@ class FusedDecoder {
                  c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, const PartList& gate_up,
                  c10::optional<torch::Tensor> gate_up_bias, const PartList& down,
                  c10::optional<torch::Tensor> down_bias, torch::Tensor k_cache, torch::Tensor v_cache,
-                 int64_t window, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+                 int64_t window, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                 c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> ffn_out_norm, int64_t rope) {
     const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
     for (const auto* t : {&input_norm, &post_norm})
       TORCH_CHECK(t->scalar_type() == kDtype && t->is_contiguous(), "norms: contiguous, in the decoder's dtype");
     const KVCode code = kv_code(k_cache, v_cache, k_scale, v_scale, kDtype);
-    for (const auto* t : {&qkv_bias, &o_bias, &gate_up_bias, &down_bias, &q_norm, &k_norm})
+    for (const auto* t : {&qkv_bias, &o_bias, &gate_up_bias, &down_bias, &q_norm, &k_norm, &attn_out_norm, &ffn_out_norm})
       TORCH_CHECK(!*t || !(*t)->defined() || (*t)->scalar_type() == kDtype, "biases and norms: the decoder's dtype");
+    TORCH_CHECK(opt(attn_out_norm).has_value() == opt(ffn_out_norm).has_value(),
+                "attn_out_norm and ffn_out_norm go together");
+    TORCH_CHECK(rope >= 0 && rope < (int64_t)cos_.size(), "rope: the index of one of the ", cos_.size(), " rotary tables");
     LayerWeights<T> L{input_norm, post_norm, k_cache, v_cache, make_matrix<T>(qkv, hidden_, "qkv"),
                       make_matrix<T>(o, QS, "o"), make_matrix<T>(gate_up, hidden_, "gate_up"),
                       make_matrix<T>(down, I_, "down"), opt(qkv_bias), opt(o_bias), opt(gate_up_bias),
                       opt(down_bias), opt(q_norm), opt(k_norm), window,
                       code == KVCode::kPlain ? torch::Tensor() : *k_scale,
-                      code == KVCode::kPlain ? torch::Tensor() : *v_scale, code};
+                      code == KVCode::kPlain ? torch::Tensor() : *v_scale, code, opt(attn_out_norm),
+                      opt(ffn_out_norm), rope};
     TORCH_CHECK(L.qkv.N == QKV && k_cache.size(1) == KVH_ && k_cache.size(2) == D_,
                 "layer shapes do not match the decoder's heads");
     TORCH_CHECK(L.o.N == hidden_ && L.gate_up.N == 2 * I_ && L.down.N == hidden_, "layer shapes do not match the decoder's sizes");
@@ -1265,7 +1366,8 @@ class FusedDecoder {
         ThreadState ts(D_);
         team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
         for (int64_t b = w; b < s.B; b += n)
-          rms_norm_rows(data(in.x) + b * hidden_, data(final_norm_), data_mut(out) + b * hidden_, 1, hidden_, eps_);
+          rms_norm_rows(data(in.x) + b * hidden_, data(final_norm_), data_mut(out) + b * hidden_, 1, hidden_, eps_,
+                        norm_offset_);
       });
     } else {
       forward_batched(s, in.x, out);
@@ -1294,8 +1396,9 @@ class FusedDecoder {
       done = greedy_team(burst, block_tables, steps);
     } else {
       while (done < steps) {
-        const auto logits = matrix_product<T>(head_, forward(burst.ids, burst.pos, burst.slots[done], block_tables,
-                                                             burst.lens), c10::nullopt);
+        auto logits = matrix_product<T>(head_, forward(burst.ids, burst.pos, burst.slots[done], block_tables,
+                                                       burst.lens), c10::nullopt);
+        if (final_softcap_ > 0.f) softcap_rows(data_mut(logits), logits.numel(), final_softcap_);
         const T* rows = data(logits);
         const int64_t V = logits.size(1);
         for (int64_t b = 0; b < B; ++b) burst.take(done, b, argmax_row(rows + b * V, V));
@@ -1310,8 +1413,11 @@ class FusedDecoder {
   // from its rows of the layers into its share of the head's rows.
   torch::Tensor logits(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                        torch::Tensor block_tables, torch::Tensor seq_lens) {
-    if (!runs_in_team(input_ids.size(0)))
-      return matrix_product<T>(head_, forward(input_ids, positions, slots, block_tables, seq_lens), c10::nullopt);
+    if (!runs_in_team(input_ids.size(0))) {
+      auto logits = matrix_product<T>(head_, forward(input_ids, positions, slots, block_tables, seq_lens), c10::nullopt);
+      if (final_softcap_ > 0.f) softcap_rows(data_mut(logits), logits.numel(), final_softcap_);
+      return logits;
+    }
     StepInputs in = prepare(input_ids, positions, slots, block_tables, seq_lens);
     const Step& s = in.step;
     auto out = torch::empty({s.B, head_.N}, in.x.options());
@@ -1342,7 +1448,7 @@ class FusedDecoder {
     const int64_t* bt;    // [B, nb]
     int64_t nb;
     const int64_t* lens;  // [B]
-    T* cos;               // [B, head_dim], filled by begin_step
+    T* cos;               // [tables, B, head_dim], filled by begin_step
     T* sin;
   };
 
@@ -1367,26 +1473,33 @@ class FusedDecoder {
     check_bounds(in.slot, in.bt, in.lens, 0);
     const auto opts = torch::TensorOptions().dtype(kDtype);
     in.x = torch::empty({B, hidden_}, opts);
-    in.cos = torch::empty({B, D_}, opts);
-    in.sin = torch::empty({B, D_}, opts);
+    in.cos = torch::empty({(int64_t)cos_.size(), B, D_}, opts);
+    in.sin = torch::empty({(int64_t)cos_.size(), B, D_}, opts);
     in.step = {B, longs(in.slot), longs(in.bt), in.bt.size(1),
                longs(in.lens), data_mut(in.cos), data_mut(in.sin)};
     begin_step(in.step, longs(in.ids), longs(in.pos), data_mut(in.x));
     return in;
   }
 
-  // x = the embeddings of the step's tokens; the step's rotary rows for their positions.
+  // x = the embeddings of the step's tokens (scaled where the model scales them); the step's rotary rows
+  // for their positions, from each table.
   void begin_step(const Step& s, const int64_t* ids, const int64_t* pos, T* x) const {
-    const float* cos_table = floats(cos_);
-    const float* sin_table = floats(sin_);
+    const int64_t tables = cos_.size();
     for (int64_t b = 0; b < s.B; ++b) {
       const int64_t id = ids[b], p = pos[b];
       TORCH_CHECK(id >= 0 && id < embed_.N, "token id ", id, " is out of range [0, ", embed_.N, ")");
-      TORCH_CHECK(p >= 0 && p < cos_.size(0), "position beyond the rotary table");
-      matrix_row(embed_, id, x + b * hidden_);
-      for (int64_t d = 0; d < D_; ++d) {
-        s.cos[b * D_ + d] = from_float<T>(cos_table[p * D_ + d]);
-        s.sin[b * D_ + d] = from_float<T>(sin_table[p * D_ + d]);
+      TORCH_CHECK(p >= 0 && p < positions(), "position beyond the rotary table");
+      T* xb = x + b * hidden_;
+      matrix_row(embed_, id, xb);
+      if (embed_scale_ != 1.f)
+        for (int64_t k = 0; k < hidden_; ++k) xb[k] = from_float<T>(to_float(xb[k]) * embed_scale_);
+      for (int64_t r = 0; r < tables; ++r) {
+        const float* cos_row = floats(cos_[r]) + p * D_;
+        const float* sin_row = floats(sin_[r]) + p * D_;
+        for (int64_t d = 0; d < D_; ++d) {
+          s.cos[(r * s.B + b) * D_ + d] = from_float<T>(cos_row[d]);
+          s.sin[(r * s.B + b) * D_ + d] = from_float<T>(sin_row[d]);
+        }
       }
     }
   }
@@ -1475,7 +1588,7 @@ class FusedDecoder {
       size_t i = std::find(windows.begin(), windows.end(), window) - windows.begin();
       if (i == windows.size()) {
         windows.push_back(window);
-        p.plans.emplace_back(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window, threads);
+        p.plans.emplace_back(s.bt, s.lens, s.B, H_, KVH_, D_, s.nb, bs_, scale_, window, threads, attn_softcap_);
       }
       p.of_layer.push_back(i);
     }
@@ -1506,11 +1619,11 @@ class FusedDecoder {
     T* kb = row + QS;
     const T* vb = row + QS + KVS;
     if (L.q_norm) {
-      rms_norm_rows(qb, data(*L.q_norm), qb, H_, D_, eps_);
-      rms_norm_rows(kb, data(*L.k_norm), kb, KVH_, D_, eps_);
+      rms_norm_rows(qb, data(*L.q_norm), qb, H_, D_, eps_, norm_offset_);
+      rms_norm_rows(kb, data(*L.k_norm), kb, KVH_, D_, eps_, norm_offset_);
     }
-    const T* cb = s.cos + b * D_;
-    const T* sb = s.sin + b * D_;
+    const T* cb = s.cos + (L.rope * s.B + b) * D_;
+    const T* sb = s.sin + (L.rope * s.B + b) * D_;
     for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, D_);
     for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
     std::memcpy(q + b * QS, qb, QS * sizeof(T));
@@ -1530,9 +1643,10 @@ class FusedDecoder {
   struct TeamBuffers {
     std::vector<T> qkv, q, attn, gu, act;
     std::vector<T> normed;  // each thread's own copy of the normed input
+    std::vector<T> branch;  // an attention or MLP output to be normed before the residual add (sandwich norms)
     TeamBuffers(const FusedDecoder& d, int64_t B, int threads)
         : qkv(B * (d.H_ + 2 * d.KVH_) * d.D_), q(B * d.H_ * d.D_), attn(B * d.H_ * d.D_), gu(B * 2 * d.I_),
-          act(B * d.I_), normed(threads * B * d.hidden_) {}
+          act(B * d.I_), normed(threads * B * d.hidden_), branch(B * d.hidden_) {}
   };
 
   // What a thread of a team keeps for itself.
@@ -1568,7 +1682,7 @@ class FusedDecoder {
       const LayerWeights<T>& L = layers_[li];
       AttentionPlan& plan = plans[li];
       const KVLayer kv = L.kv();
-      rms_norm_rows(xp, data(L.input_norm), h, B, hidden, eps_);
+      rms_norm_rows(xp, data(L.input_norm), h, B, hidden, eps_, norm_offset_);
       input(L.qkv, h);
       matrix_rows(L.qkv, h, ts.xq, B, r0, r1, data(L.qkv_bias), qkv, false, walks);
       for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<Attn>(i, kv);
@@ -1580,18 +1694,31 @@ class FusedDecoder {
       for (int64_t j = j0; j < j1; ++j) plan.merge<Attn>(j, attn_h, ts.merged.data());
       barrier.wait(n);
       input(L.o, buf.attn.data());
-      matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), xp, true, walks);
+      if (L.attn_out_norm) {  // the whole output row first, then its norm joins the residual
+        matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), buf.branch.data(), false, walks);
+        barrier.wait(n);
+        for (int64_t b = w; b < B; b += n) norm_into_residual(buf.branch.data(), *L.attn_out_norm, xp, b);
+      } else {
+        matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), xp, true, walks);
+      }
       barrier.wait(n);
-      rms_norm_rows(xp, data(L.post_norm), h, B, hidden, eps_);
+      rms_norm_rows(xp, data(L.post_norm), h, B, hidden, eps_, norm_offset_);
       // This thread's gate rows and the matching up rows, so it can apply SwiGLU to them at once.
       const T* gu_bias = data(L.gate_up_bias);
       input(L.gate_up, h);
       matrix_rows(L.gate_up, h, ts.xq, B, i0, i1, gu_bias, gu, false, walks);
       matrix_rows(L.gate_up, h, ts.xq, B, I_ + i0, I_ + i1, gu_bias, gu, false, walks);
-      for (int64_t b = 0; b < B; ++b) silu_mul(gu + b * 2 * I_ + i0, gu + b * 2 * I_ + I_ + i0, act + b * I_ + i0, i1 - i0);
+      for (int64_t b = 0; b < B; ++b)
+        gate_mul(activation_, gu + b * 2 * I_ + i0, gu + b * 2 * I_ + I_ + i0, act + b * I_ + i0, i1 - i0);
       barrier.wait(n);
       input(L.down, act);
-      matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), xp, true, walks);
+      if (L.ffn_out_norm) {
+        matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), buf.branch.data(), false, walks);
+        barrier.wait(n);
+        for (int64_t b = w; b < B; b += n) norm_into_residual(buf.branch.data(), *L.ffn_out_norm, xp, b);
+      } else {
+        matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), xp, true, walks);
+      }
       barrier.wait(n);
     }
   }
@@ -1610,10 +1737,12 @@ class FusedDecoder {
   std::pair<int64_t, int64_t> team_logits(const T* x, int64_t B, int w, int n, TeamBuffers& buf, T* logits,
                                           Walks& walks, ThreadState& ts) {
     T* h = buf.normed.data() + w * B * hidden_;
-    rms_norm_rows(x, data(final_norm_), h, B, hidden_, eps_);
+    rms_norm_rows(x, data(final_norm_), h, B, hidden_, eps_, norm_offset_);
     if (head_.quantized) ts.xq.set(h, B, hidden_);
     const auto [v0, v1] = share(head_.N, w, n);
     matrix_rows(head_, h, ts.xq, B, v0, v1, static_cast<const T*>(nullptr), logits, false, walks);
+    if (final_softcap_ > 0.f)
+      for (int64_t b = 0; b < B; ++b) softcap_rows(logits + b * head_.N + v0, v1 - v0, final_softcap_);
     return {v0, v1};
   }
 
@@ -1643,7 +1772,7 @@ class FusedDecoder {
     // positions of every step must lie in the rotary table (every token chosen is a row of the
     // embedding: the constructor checked the head has no more rows).
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(longs(burst.pos)[b] + steps <= cos_.size(0), "position beyond the rotary table");
+      TORCH_CHECK(longs(burst.pos)[b] + steps <= positions(), "position beyond the rotary table");
     StepPlans plan = attention_plan(s);
     int64_t done = 0;
     bool more = true;
@@ -1723,28 +1852,43 @@ class FusedDecoder {
     auto act = torch::empty({B, I_}, x.options());
     T* xp = data_mut(x);
     for (auto& L : layers_) {
-      rms_norm_rows(xp, data(L.input_norm), data_mut(h), B, hidden, eps_);
+      rms_norm_rows(xp, data(L.input_norm), data_mut(h), B, hidden, eps_, norm_offset_);
       auto qkv = matrix_product<T>(L.qkv, h, L.qkv_bias);
       for (int64_t b = 0; b < B; ++b) place_token(L, s, b, data_mut(qkv) + b * (QS + 2 * KVS), data_mut(q));
       decode_attention<Attn>(attn_ptr(data(q)), L.kv(), s.bt, s.lens, attn_ptr(data_mut(attn)),
-                             B, H_, KVH_, D_, s.nb, bs_, scale_, L.window);
+                             B, H_, KVH_, D_, s.nb, bs_, scale_, L.window, attn_softcap_);
       auto o = matrix_product<T>(L.o, attn, L.o_bias);
+      if (L.attn_out_norm) rms_norm_rows(data(o), data(*L.attn_out_norm), data_mut(o), B, hidden, eps_, norm_offset_);
       add_into(xp, data(o), B * hidden);
-      rms_norm_rows(xp, data(L.post_norm), data_mut(h), B, hidden, eps_);
+      rms_norm_rows(xp, data(L.post_norm), data_mut(h), B, hidden, eps_, norm_offset_);
       auto gu = matrix_product<T>(L.gate_up, h, L.gate_up_bias);
       for (int64_t b = 0; b < B; ++b)
-        silu_mul(data(gu) + b * 2 * I_, data(gu) + b * 2 * I_ + I_, data_mut(act) + b * I_, I_);
+        gate_mul(activation_, data(gu) + b * 2 * I_, data(gu) + b * 2 * I_ + I_, data_mut(act) + b * I_, I_);
       auto d = matrix_product<T>(L.down, act, L.down_bias);
+      if (L.ffn_out_norm) rms_norm_rows(data(d), data(*L.ffn_out_norm), data_mut(d), B, hidden, eps_, norm_offset_);
       add_into(xp, data(d), B * hidden);
     }
-    rms_norm_rows(xp, data(final_norm_), data_mut(out), B, hidden, eps_);
+    rms_norm_rows(xp, data(final_norm_), data_mut(out), B, hidden, eps_, norm_offset_);
+  }
+
+  // Request b's row of `branch` (an attention or MLP output) normed in place by `norm`, then added to
+  // its residual row.
+  void norm_into_residual(T* branch, const torch::Tensor& norm, T* xp, int64_t b) const {
+    T* row = branch + b * hidden_;
+    rms_norm_rows(row, data(norm), row, 1, hidden_, eps_, norm_offset_);
+    add_into(xp + b * hidden_, row, hidden_);
   }
 
   int64_t H_, KVH_, D_, I_, hidden_ = 0;
   float eps_, scale_;
   int64_t bs_;
   int64_t cache_slots_ = 0;  // the fewest slots of any layer's cache
-  torch::Tensor final_norm_, cos_, sin_;
+  torch::Tensor final_norm_;
+  std::vector<torch::Tensor> cos_, sin_;  // the rotary tables, each [positions, head_dim]
+  int64_t positions() const { return cos_[0].size(0); }
+  float norm_offset_;
+  Activation activation_;
+  float embed_scale_, attn_softcap_, final_softcap_;
   Matrix embed_, head_;
   std::vector<LayerWeights<T>> layers_;
   std::vector<std::vector<std::vector<Segment>>> streams_;  // [threads][thread]: see plan_streams
@@ -1765,7 +1909,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
                                      double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale) {
+                                     c10::optional<torch::Tensor> v_scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
   const KVCode code = kv_code(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
@@ -1776,9 +1920,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == q.size(0) && lens.dim() == 1 && lens.size(0) == q.size(0),
               "block_tables [batch, blocks] and seq_lens [batch] must match q's batch");
   TORCH_CHECK(block_size >= 1 && window >= 0, "block_size must be at least 1, window 0 (none) or positive");
+  TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), nb = bt.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "head counts do not match");
-  TORCH_CHECK(D % 16 == 0 && D <= 128, "head_dim must be a multiple of 16, at most 128");
+  TORCH_CHECK(head_dim_ok(D), kHeadDims);
   check_block_tables(bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B, nb, block_size, k_cache.size(0) / block_size,
                      0);
   auto scales = [&](const c10::optional<torch::Tensor>& t) {
@@ -1787,10 +1932,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const KVLayer kv{{k_cache.data_ptr(), scales(k_scale)}, {v_cache.data_ptr(), scales(v_scale)}, code};
   if (q.scalar_type() == torch::kFloat) {
     decode_attention<float>(q.data_ptr<float>(), kv, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                            out.data_ptr<float>(), B, H, KVH, D, nb, block_size, (float)scale, window);
+                            out.data_ptr<float>(), B, H, KVH, D, nb, block_size, (float)scale, window, (float)softcap);
   } else {
     decode_attention<bf16>(q.data_ptr<bf16>(), kv, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                           out.data_ptr<bf16>(), B, H, KVH, D, nb, block_size, (float)scale, window);
+                           out.data_ptr<bf16>(), B, H, KVH, D, nb, block_size, (float)scale, window, (float)softcap);
   }
   return out;
 }
@@ -1833,11 +1978,17 @@ void bind_decoder(pybind11::module& m, const char* name) {
   using D = FusedDecoder<T>;
   py::class_<D>(m, name)
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, const PartList&,
-                    const PartList&, torch::Tensor, torch::Tensor>())
+                    const PartList&, torch::Tensor, torch::Tensor, double, int64_t, double, double, double>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
+           py::arg("scale"), py::arg("block_size"), py::arg("final_norm"), py::arg("embed"), py::arg("head"),
+           py::arg("cos"), py::arg("sin"), py::arg("norm_offset") = 0.0, py::arg("activation") = 0,
+           py::arg("embed_scale") = 1.0, py::arg("attn_softcap") = 0.0, py::arg("final_softcap") = 0.0)
       .def("add_layer", &D::add_layer, py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("o"), py::arg("o_bias"), py::arg("post_norm"), py::arg("gate_up"),
            py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("k_cache"), py::arg("v_cache"),
-           py::arg("window"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none())
+           py::arg("window"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+           py::arg("attn_out_norm") = py::none(), py::arg("ffn_out_norm") = py::none(), py::arg("rope") = 0)
+      .def("add_rope", &D::add_rope, py::arg("cos"), py::arg("sin"))
       .def("forward", &D::forward, release())
       .def("decode_greedy", &D::decode_greedy, release())
       .def("logits", &D::logits, release())
@@ -1854,7 +2005,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_gemv_rows") = py::int_(kMaxGemvRows);
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), release());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0, release());
   m.def("quantize_kv", &quantize_kv, release());
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_plan_threads", &set_plan_threads);

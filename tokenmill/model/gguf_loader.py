@@ -14,8 +14,9 @@ from tokenmill.model import gguf_tokenizer
 
 logger = logging.getLogger("tokenmill")
 
-_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_GEMMA = ("gemma2", "gemma3")
 
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
 _LAYER_NAMES = {
@@ -24,7 +25,12 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: ffn_norm is the norm before the MLP, post_attention_norm the attention output's.
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Not weights: llama.cpp's Llama 3 rope frequency factors, read into the config (read_config).
+_NOT_WEIGHTS = ("rope_freqs.weight",)
 
 
 @dataclass(slots=True)
@@ -91,6 +97,7 @@ class GGUFFile:
                 raise ValueError(f"{path!r} is truncated: tensor {name!r} ends past the end of the file")
             data = self._buf[start + offset:end].reshape(rows, row_bytes)
             self.tensors.append(GGUFTensor(name, dims, gguf.GGMLQuantizationType(ttype), data))
+        self.arch = self.fields.get("general.architecture")
 
     def _read(self, fmt: str):
         (v,) = struct.unpack_from(fmt, self._mv, self._pos)
@@ -154,9 +161,41 @@ def read_config(reader: GGUFFile) -> dict:
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
     if "rope_freqs.weight" in names:
-        raise ValueError("GGUF files with a rope_freqs tensor (Llama 3.1 style rope scaling) are not supported yet; "
-                         "load the Hugging Face folder of this model instead")
+        if scaling_type not in (None, "none"):
+            raise ValueError(f"GGUF file has both rope scaling {scaling_type!r} and a rope_freqs tensor")
+        # Llama 3.1+ files keep their llama3 rope scaling as the factor each frequency is divided by.
+        config["rope_scaling"] = {"rope_type": "freq_factors", "factors": _rope_freq_factors(reader)}
+    if arch in _GEMMA:
+        config.update(_gemma_config(g, config))
     return config
+
+
+def _rope_freq_factors(reader: GGUFFile) -> list[float]:
+    from gguf.quants import dequantize
+
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()
+
+
+def _gemma_config(g, config: dict) -> dict:
+    """The Gemma-only entries of an HF config from a gemma2 / gemma3 GGUF's metadata (g: key -> value)."""
+    heads, hidden, layers = config["num_attention_heads"], config["hidden_size"], config["num_hidden_layers"]
+    gemma3 = config["model_type"] == "gemma3"
+    out = {"model_type": "gemma3_text" if gemma3 else "gemma2",
+           # The files do not say; llama.cpp scales queries by hidden / heads in the 27B models (62 layers in
+           # Gemma 3, 46 in Gemma 2), by head_dim in the others, as their HF configs' query_pre_attn_scalar.
+           "query_pre_attn_scalar": hidden // heads if layers == (62 if gemma3 else 46) else config["head_dim"]}
+    if gemma3:
+        out["rope_local_base_freq"] = g("rope.freq_base_swa", 10000.0)
+    pattern = g("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: whether it slides
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        out["sliding_window_pattern"] = int(pattern)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if g(key) is not None:
+            out[key] = g(key)
+    return out
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -165,18 +204,31 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str:
-    """The Hugging Face name of a GGUF tensor."""
+def _hf_name(name: str, arch: str) -> str:
+    """The Hugging Face name of a GGUF tensor of a file of architecture `arch`."""
     m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
+        names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+        if part not in names:
             raise ValueError(f"GGUF tensor {name!r} is not understood")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = name.rpartition(".")
     if base not in _TOP_NAMES:
         raise ValueError(f"GGUF tensor {name!r} is not understood")
     return f"{_TOP_NAMES[base]}.{kind}"
+
+
+def gguf_name(hf: str, arch: str) -> str:
+    """The GGUF name of a Hugging Face tensor name, in a file of architecture `arch` (_hf_name's inverse)."""
+    m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
+    if m:
+        layer, part, kind = m.groups()
+        names = {v: k for k, v in (_GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES).items()}
+        return f"blk.{layer}.{names.get(part, part)}.{kind}"
+    base, _, kind = hf.rpartition(".")
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    return f"{top.get(base, base)}.{kind}"
 
 
 # Projections the decoder stores as one matrix: kept quantized only where every part is.
@@ -205,9 +257,9 @@ def quantized_plan(reader: GGUFFile) -> set[str]:
 
     candidates, without_kernel = set(), {}
     for t in reader.tensors:
-        if int(t.tensor_type) in _FLOAT_TYPES:
+        if int(t.tensor_type) in _FLOAT_TYPES or t.name in _NOT_WEIGHTS:
             continue
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, reader.arch)
         if int(t.tensor_type) in quant.FORMATS and len(t.shape) == 2 and hf.endswith(".weight") \
                 and "norm" not in hf:
             candidates.add(hf)
@@ -225,17 +277,19 @@ def quantized_layout(reader: GGUFFile, plan: set[str]) -> tuple[dict[str, tuple[
     """Where each planned tensor goes in one buffer: name -> (byte offset, rows, bytes per row), and the
     buffer's size. Tensors keep the file's order, except that the parts of a merged projection are placed
     one after another in their merged order (so the merged matrix is a view, not a copy)."""
-    by_name = {_hf_name(t.name): t for t in reader.tensors}
+    tensors = [t for t in reader.tensors if t.name not in _NOT_WEIGHTS]
+    by_name = {_hf_name(t.name, reader.arch): t for t in tensors}
     layout, total = {}, 0
-    for t in reader.tensors:
-        hf = _hf_name(t.name)
+    for t in tensors:
+        hf = _hf_name(t.name, reader.arch)
         if hf not in plan or hf in layout:
             continue
         total = -(-total // 64) * 64
         for name in _merged_group(hf):
             data = by_name[name].data if name in by_name else None
             if data is None or name not in plan:
-                raise ValueError(f"GGUF file lacks {name!r}, a part of a merged projection")
+                raise ValueError(f"GGUF file lacks tensor {gguf_name(name, reader.arch)!r}, a part of a merged "
+                                 "projection")
             layout[name] = (total, data.shape[0], data.shape[1])
             total += data.shape[0] * data.shape[1]
     return layout, total
@@ -249,8 +303,12 @@ def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict
     from tokenmill.kernels.quant import QuantizedWeight
 
     permute = config["model_type"] in ("llama", "mistral")
+    # llama.cpp's converter stores Gemma's norm weights w as 1 + w (the scale it multiplies by).
+    norm_shift = 1.0 if reader.arch in _GEMMA else 0.0
     for t in reader.tensors:
-        hf = _hf_name(t.name)
+        if t.name in _NOT_WEIGHTS:
+            continue
+        hf = _hf_name(t.name, reader.arch)
         part = t.name.split(".")[2] if t.name.startswith("blk.") else None
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(part)
         if hf in keep:
@@ -267,6 +325,8 @@ def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
         if permute and heads:
             arr = _unpermute(arr, heads)
+        if norm_shift and hf.endswith("norm.weight"):
+            arr = arr - np.float32(norm_shift)
         if not arr.flags.writeable or not arr.flags.c_contiguous:  # F32 tensors come as read-only memory maps
             arr = np.array(arr, copy=True, order="C")
         yield hf, torch.from_numpy(arr)

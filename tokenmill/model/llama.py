@@ -1,8 +1,8 @@
-"""The Llama decoder, which Mistral, Qwen2 and Qwen3 reuse with a few switches."""
+"""The Llama decoder, which Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 reuse through their descriptions."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import torch
 from torch import nn
@@ -10,85 +10,11 @@ from torch import nn
 from tokenmill.attention import kv_format
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.model.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from tokenmill.model.description import ACTIVATIONS, DecoderConfig, layer_windows  # noqa: F401 (re-export)
+from tokenmill.model.layers import (Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
+                                    softcap)
 
-
-@dataclass(slots=True)
-class DecoderConfig:
-    """The hyper-parameters the decoder needs, read from an HF config dict."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    layer_windows: list[int | None]  # per layer: the sliding attention window, or None for full attention
-
-    @classmethod
-    def from_hf(cls, c: dict, *, qkv_bias: bool | None = None, qk_norm: bool = False,
-                per_layer_windows: bool = True) -> "DecoderConfig":
-        heads = c["num_attention_heads"]
-        attention_bias = bool(c.get("attention_bias", False))
-        rope_scaling = c.get("rope_scaling")
-        rope_theta = c.get("rope_theta")
-        # Newer configs keep rope settings under rope_parameters.
-        params = c.get("rope_parameters")
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default":
-                rope_scaling = params
-        return cls(
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta if rope_theta is not None else 10000.0,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
-            o_bias=attention_bias,
-            mlp_bias=bool(c.get("mlp_bias", False)),
-            qk_norm=qk_norm,
-            layer_windows=layer_windows(c, per_layer_windows),
-        )
-
-
-def layer_windows(c: dict, per_layer: bool = True) -> list[int | None]:
-    """Each layer's sliding window (None: full attention) from an HF config dict, by transformers' rules:
-    `layer_types` where present; else, with `max_window_layers` (Qwen2/Qwen3), the window only from that
-    layer on; else one window for every layer (Mistral). per_layer=False ignores both, as transformers'
-    Mistral does."""
-    n = c["num_hidden_layers"]
-    window = (c.get("sliding_window") if c.get("use_sliding_window", True) else None) or None
-    types = c.get("layer_types") if per_layer else None
-    if types is not None:
-        if len(types) != n:
-            raise ValueError(f"layer_types lists {len(types)} layers, the model has {n}")
-        unknown = set(types) - {"sliding_attention", "full_attention"}
-        if unknown:
-            raise ValueError(f"layer types {sorted(unknown)} are not supported by this decoder; "
-                             "expected sliding_attention or full_attention")
-        return [window if t == "sliding_attention" else None for t in types]
-    first = c.get("max_window_layers") if per_layer else None
-    if first is not None:
-        return [window if i >= first else None for i in range(n)]
-    return [window] * n
+logger = logging.getLogger("tokenmill")
 
 
 class Attention(nn.Module):
@@ -99,10 +25,11 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
         self.backend = backend
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_softcap
         self.sliding_window = window
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
@@ -114,20 +41,39 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                 softcap=self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        # Registered in the order a forward pass reads them (the weight arena follows this order).
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, backend, cfg.layer_windows[index])
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        # Llama: the norm before the MLP. With sandwich norms: the norm of the attention output.
+        self.post_attention_layernorm = norm()
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.activation)
+        if self.sandwich:
+            self.post_feedforward_layernorm = norm()
+        self.rope = cfg.layer_ropes[index]
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+    @property
+    def ffn_norm(self) -> RMSNorm:
+        """The norm of the MLP's input."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def forward(self, x, ropes, kv_cache, meta):
+        h = self.self_attn(self.input_layernorm(x), ropes[self.rope], kv_cache, meta)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,14 +86,25 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
-        cfg = DecoderConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                                    per_layer_windows=self.per_layer_windows)
+        cfg = self.describe(hf_config)
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max(max_positions, 1), cfg.rope_theta, cfg.rope_scaling)
+        self.rotaries = self.make_rotaries(max_positions)
+
+    @classmethod
+    def describe(cls, hf_config: dict) -> DecoderConfig:
+        """This architecture's description of a model, from its HF config dict."""
+        return DecoderConfig.from_hf(hf_config, qkv_bias=cls.qkv_bias, qk_norm=cls.qk_norm,
+                                     per_layer_windows=cls.per_layer_windows)
+
+    def make_rotaries(self, max_positions: int) -> nn.ModuleList:
+        """The rotary tables (one per distinct rope of the description) for positions below max_positions."""
+        cfg = self.config
+        return nn.ModuleList(RotaryEmbedding(cfg.head_dim, max(max_positions, 1), r.theta, r.scaling)
+                             for r in cfg.ropes)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -157,10 +114,16 @@ class LlamaForCausalLM(nn.Module):
             return fused.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
                                  meta.decode_seq_lens)
         x = self.embed_tokens(input_ids, self.norm.weight.dtype)
-        rope = self.rotary.lookup(positions, x.dtype)
+        if self.config.embed_scale != 1.0:
+            x = x * self.embed_scale(x.dtype)
+        ropes = [r.lookup(positions, x.dtype) for r in self.rotaries]
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv, meta)
+            x = layer(x, ropes, kv, meta)
         return self.norm(x)
+
+    def embed_scale(self, dtype: torch.dtype) -> float:
+        """The embedding scale as the reference applies it: rounded to the model dtype first."""
+        return torch.tensor(self.config.embed_scale, dtype=torch.float32).to(dtype).item()
 
     # ------------------------------------------------------------------ fused decode
     use_fused_decode = True  # False keeps every step on the module-by-module path
@@ -192,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
     def _build_fused_decoder(self, kv_caches: list, block_size: int):
         kernels = cpu_kernels.load()
         cfg = self.config
-        if kernels is None or cfg.head_dim % 16 or cfg.head_dim > 128 or \
+        if kernels is None or not cpu_kernels.head_dim_ok(cfg.head_dim) or \
                 any(n % 32 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
             return None
 
@@ -203,19 +166,28 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.norm.weight.dtype
         decoder = kernels.FusedDecoderBF16 if dtype == torch.bfloat16 else kernels.FusedDecoderF32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        first, *more = self.rotaries
         fused = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-                        self.layers[0].self_attn.scale, block_size, t(self.norm), self.embed_tokens.fused_parts(),
-                        head.fused_parts(), self.rotary.cos.float(), self.rotary.sin.float())
+                        cfg.attn_scale, block_size, t(self.norm), self.embed_tokens.fused_parts(),
+                        head.fused_parts(), first.cos.float(), first.sin.float(), norm_offset=cfg.norm_offset,
+                        activation=ACTIVATIONS.index(cfg.activation), embed_scale=self.embed_scale(dtype),
+                        attn_softcap=cfg.attn_softcap or 0.0, final_softcap=cfg.final_softcap or 0.0)
+        for rotary in more:
+            fused.add_rope(rotary.cos.float(), rotary.sin.float())
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
+            sandwich = layer.sandwich
             fused.add_layer(t(layer.input_layernorm), a.qkv_proj.fused_parts(), t(a.qkv_proj, "bias"), t(a.q_norm),
-                            t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.post_attention_layernorm),
+                            t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.ffn_norm),
                             m.gate_up_proj.fused_parts(), t(m.gate_up_proj, "bias"), m.down_proj.fused_parts(),
-                            t(m.down_proj, "bias"), *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0))
+                            t(m.down_proj, "bias"), *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0),
+                            attn_out_norm=t(layer.post_attention_layernorm) if sandwich else None,
+                            ffn_out_norm=t(layer.post_feedforward_layernorm) if sandwich else None, rope=layer.rope)
         return fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens.as_output(hidden) if self.lm_head is None else self.lm_head(hidden)
+        logits = self.embed_tokens.as_output(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return softcap(logits, self.config.final_softcap)
 
     # ------------------------------------------------------------------ weights
     _STACKED = {  # checkpoint name part -> (fused module name part, shard index)
@@ -244,9 +216,28 @@ class LlamaForCausalLM(nn.Module):
                 module.quantize_weight()
                 self.quantized = True
 
+    def _checkpoint_names(self) -> set[str]:
+        """The Hugging Face names (without "model.") of the tensors a checkpoint must hold for this model:
+        each part of a merged projection under its own name."""
+        unstacked: dict[str, list[str]] = {}  # merged module name part -> its checkpoint name parts
+        for part, (fused, _) in self._STACKED.items():
+            unstacked.setdefault(fused, []).append(part)
+        names = set()
+        for module_name, module in self.named_modules():
+            if not hasattr(module, "weight"):
+                continue
+            prefix, _, leaf = module_name.rpartition(".")
+            for kind in ("weight", "bias"):
+                if getattr(module, kind, None) is None and not (kind == "weight" and getattr(module, "quantized", False)):
+                    continue
+                for part in unstacked.get(leaf, [leaf]):
+                    names.add(f"{prefix}.{part}.{kind}" if prefix else f"{part}.{kind}")
+        return names
+
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters; quantized weights
-        (QuantizedWeight) go to the modules quantize_weights() prepared for them."""
+        (QuantizedWeight) go to the modules quantize_weights() prepared for them. A checkpoint that lacks
+        any tensor, a part of a merged projection included, raises MissingWeights."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -262,13 +253,14 @@ class LlamaForCausalLM(nn.Module):
                 if not getattr(module, "quantized", False):
                     raise ValueError(f"checkpoint tensor {name!r} is quantized but its layer was not prepared for it")
                 module.load_quantized(idx, tensor)
+                loaded.add(name)
                 continue
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, idx = self._STACKED[parts[-2]]
                 module_name = ".".join(parts[:-2] + [fused])
                 module = self.get_submodule(module_name)
                 module.load_shard(idx, tensor, is_bias=parts[-1] == "bias")
-                loaded.add(f"{module_name}.{parts[-1]}")
+                loaded.add(name)
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
@@ -278,7 +270,14 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 p.copy_(tensor)
             loaded.add(name)
-        missing = set(params) - loaded
-        missing |= {f"{n}.weight" for n, m in self.named_modules() if getattr(m, "missing_parts", False)}
+        missing = self._checkpoint_names() - loaded
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise MissingWeights(sorted(n if n.startswith("lm_head.") else f"model.{n}" for n in missing))
+
+
+class MissingWeights(ValueError):
+    """A checkpoint lacks tensors the model needs; `names` in Hugging Face naming."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"checkpoint lacks {len(names)} tensors, e.g. {names[:3]}")
+        self.names = names

@@ -18,7 +18,7 @@ from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels import quant
 from tokenmill.model import arena, gguf_loader
 from tokenmill.model.hub import named_model_at, resolve_model_path
-from tokenmill.model.layers import RotaryEmbedding
+from tokenmill.model.llama import MissingWeights
 from tokenmill.model.registry import model_class
 
 logger = logging.getLogger("tokenmill")
@@ -56,6 +56,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     start = time.perf_counter()
     path = resolve_model_path(name)
     quantized: set[str] = set()
+    reader = None
     if path.endswith(".gguf"):
         reader = gguf_loader.GGUFFile(path)
         hf_config = gguf_loader.read_config(reader)
@@ -106,10 +107,17 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
         model.weight_arena = arena.materialize(model, dtype)
     else:
         model = model.to_empty(device=device).to(dtype)
-    model.load_weights(weights)
-    cfg = model.config
+    try:
+        model.load_weights(weights)
+    except MissingWeights as e:
+        if reader is None:
+            raise
+        names = [gguf_loader.gguf_name(n, reader.arch) for n in e.names]
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise ValueError(f"{os.path.basename(path)} lacks tensor {names[0]!r}{more}: the file is incomplete or "
+                         "was not written for this architecture") from None
     # Rotary tables are not weights: build them on the device, kept in float32 for accuracy.
-    model.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotaries = model.make_rotaries(positions).to(device)
     model.eval()
     _release_freed_memory()
     elapsed = time.perf_counter() - start

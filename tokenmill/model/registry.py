@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from tokenmill.model.gemma2 import Gemma2ForCausalLM
+from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mistral import MistralForCausalLM
 from tokenmill.model.qwen2 import Qwen2ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
 
 MODELS: dict[str, type] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

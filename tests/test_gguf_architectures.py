@@ -1,0 +1,131 @@
+"""GGUF files of each family against transformers on the Hugging Face folder each was made from: Llama 3.1
+(llama3 rope scaling stored as a rope_freqs tensor), Llama 3.2 (the same, embeddings tied), Gemma 2 and
+Gemma 3 (norms stored as 1 + w, four norms a layer, local and global layers); and files that cannot load."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from tests.conftest import PROMPTS, hf_greedy, save_tiny_models  # noqa: E402
+from tests.gguf_models import write_llama_gguf  # noqa: E402
+from tokenmill import LLM, SamplingParams  # noqa: E402
+
+MAX_NEW = 24
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def _configs(vocab: int) -> dict:
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return {
+        "llama3.1": LlamaConfig(**common, rope_theta=500000.0, rope_scaling=LLAMA3),
+        "llama3.2": LlamaConfig(**common, rope_theta=500000.0, rope_scaling=LLAMA3, tie_word_embeddings=True),
+        "gemma2": Gemma2Config(**common, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                               attn_logit_softcapping=1.0, final_logit_softcapping=1.5),
+        # Six layers, the sixth global (the pattern a GGUF leaves unsaid); a scaled rope on it (a Gemma 3 4B's
+        # kind); query_pre_attn_scalar equal to head_dim, as in the released models but the 27B.
+        "gemma3": Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
+                                   query_pre_attn_scalar=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    }
+
+
+def _float(name: str) -> str:
+    return "F32"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """(HF folder, GGUF file made from it) per name."""
+    root = tmp_path_factory.mktemp("gguf-archs")
+    folders = save_tiny_models(root, _configs)
+    return {name: (folder, write_llama_gguf(root / f"{name}.gguf", folder, _float)) for name, folder in folders.items()}
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "gemma2", "gemma3"])
+def test_gguf_greedy_matches_transformers_on_its_folder(files, name):
+    from transformers import AutoTokenizer
+
+    folder, path = files[name]
+    llm = LLM(path, dtype="float32", seed=0, block_size=4)
+    model = llm.engine.model
+    cfg = model.config
+    if name.startswith("llama"):
+        assert cfg.ropes[0].scaling["rope_type"] == "freq_factors"
+        assert (model.lm_head is None) == (name == "llama3.2")
+    else:
+        assert cfg.norm_offset == 1.0 and cfg.sandwich_norms and None in cfg.layer_windows and 8 in cfg.layer_windows
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    ref_tokens, ref_logprobs = hf_greedy(folder, prompt_ids, MAX_NEW)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == ref_tokens[i], f"prompt {i} differs from transformers"
+        first = out.outputs[0].logprobs[0]
+        top = torch.topk(ref_logprobs[i], 5)
+        for value, token in zip(top.values.tolist(), top.indices.tolist()):
+            assert token in first and abs(first[token].logprob - value) < 1e-4, (i, token)
+
+
+def test_rope_freqs_hold_the_llama3_scaling(files):
+    """The file's factors divide the frequencies as transformers' llama3 scaling scales them."""
+    from tokenmill.model.gguf_loader import GGUFFile, read_config
+    from tokenmill.model.layers import _rope_inv_freq
+
+    folder, path = files["llama3.1"]
+    config = read_config(GGUFFile(path))
+    from_file, _ = _rope_inv_freq(16, config["rope_theta"], config["rope_scaling"])
+    from_folder, _ = _rope_inv_freq(16, 500000.0, LLAMA3)
+    plain, _ = _rope_inv_freq(16, 500000.0, None)
+    assert torch.allclose(from_file, from_folder, rtol=1e-6) and not torch.allclose(from_file, plain, rtol=0.1)
+
+
+@pytest.mark.parametrize("name,missing", [("llama3.1", "blk.1.attn_k.weight"), ("llama3.1", "blk.0.ffn_gate.weight"),
+                                          ("llama3.1", "output_norm.weight"), ("gemma3", "blk.2.post_ffw_norm.weight"),
+                                          ("gemma3", "blk.0.attn_q_norm.weight")])
+def test_a_missing_tensor_is_named(files, tmp_path, name, missing):
+    """A file without one of the model's tensors is refused with that tensor's GGUF name, a part of a
+    merged projection (k of q/k/v, gate of gate/up) too."""
+    folder, _ = files[name]
+    path = write_llama_gguf(tmp_path / "incomplete.gguf", folder, _float, skip=(missing,))
+    with pytest.raises(ValueError, match=rf"incomplete.gguf lacks tensor '{re.escape(missing)}'"):
+        LLM(path, dtype="float32")
+
+
+def test_unsupported_architectures_list_the_supported_ones(files, tmp_path):
+    folder, path = files["gemma3"]
+    gguf_path = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(str(gguf_path), "phi3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'phi3'; supported: gemma2, gemma3, llama, "
+                                         r"mistral, qwen2, qwen3"):
+        LLM(str(gguf_path), dtype="float32")
+    # Gemma 3's multimodal checkpoints (image and text) name another class than the text model's.
+    multimodal = tmp_path / "gemma3-vision"
+    multimodal.mkdir()
+    for f in os.listdir(folder):
+        os.symlink(os.path.join(folder, f), multimodal / f)
+    os.remove(multimodal / "config.json")
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    (multimodal / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForConditionalGeneration"]}))
+    with pytest.raises(ValueError, match=r"unsupported model architecture \['Gemma3ForConditionalGeneration'\]; "
+                                         r"supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"):
+        LLM(str(multimodal), dtype="float32")

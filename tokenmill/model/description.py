@@ -1,0 +1,127 @@
+"""A decoder-only architecture described as data: sizes, and the switches in which the supported families
+differ (norm kind, activation, extra norms, rope and window per layer, softcaps, embedding scale).
+
+The module-by-module decoder (llama.py) and the fused CPU decode step (kernels/cpu_kernels.cpp) both read
+this one description, so a new family is a new way of filling it in, not a new decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU, GeGLU (tanh-approximated GELU)
+
+
+@dataclass(slots=True)
+class RopeSpec:
+    """One rotary embedding: its base and its scaling (an HF rope_scaling dict, or None)."""
+
+    theta: float
+    scaling: dict | None = None
+
+
+@dataclass(slots=True)
+class DecoderConfig:
+    """The hyper-parameters and architecture switches the decoder needs, read from an HF config dict.
+
+    The switches default to Llama's; each family's model class sets its own (see `describe`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    layer_windows: list[int | None]  # per layer: the sliding attention window, or None for full attention
+    # RMSNorm scales by (norm_offset + w). 0: Llama (w applied in the model dtype after the normalised value
+    # is rounded); 1: Gemma (1 + w applied in float32, one rounding at the end), as each reference computes it.
+    norm_offset: float = 0.0
+    activation: str = "silu"
+    # Gemma's "sandwich": the attention and MLP outputs are normed before they join the residual stream
+    # (post_attention_layernorm on the attention output, pre_/post_feedforward_layernorm around the MLP).
+    sandwich_norms: bool = False
+    attn_scale: float | None = None  # the attention logits' scale; None: head_dim ** -0.5
+    embed_scale: float = 1.0  # embeddings are multiplied by this, rounded to the model dtype (Gemma: sqrt(hidden))
+    attn_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap)
+    final_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
+    ropes: list[RopeSpec] = field(default_factory=list)  # the distinct rotary embeddings; [] : one from rope_theta
+    layer_ropes: list[int] = field(default_factory=list)  # per layer: its index in ropes; [] : all 0
+
+    def __post_init__(self) -> None:
+        if self.attn_scale is None:
+            self.attn_scale = self.head_dim ** -0.5
+        if not self.ropes:
+            self.ropes = [RopeSpec(self.rope_theta, self.rope_scaling)]
+        if not self.layer_ropes:
+            self.layer_ropes = [0] * self.num_layers
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if len(self.layer_ropes) != self.num_layers or not all(0 <= i < len(self.ropes) for i in self.layer_ropes):
+            raise ValueError(f"layer_ropes must name one of the {len(self.ropes)} rotary embeddings per layer")
+
+    @classmethod
+    def from_hf(cls, c: dict, *, qkv_bias: bool | None = None, qk_norm: bool = False,
+                per_layer_windows: bool = True, **switches) -> "DecoderConfig":
+        """The Llama-family reading of an HF config; `switches` set the architecture fields above."""
+        heads = c["num_attention_heads"]
+        attention_bias = bool(c.get("attention_bias", False))
+        rope_scaling = c.get("rope_scaling")
+        rope_theta = c.get("rope_theta")
+        # Newer configs keep rope settings under rope_parameters.
+        params = c.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            layer_windows=layer_windows(c, per_layer_windows),
+            **switches,
+        )
+
+
+def layer_windows(c: dict, per_layer: bool = True) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) from an HF config dict, by transformers' rules:
+    `layer_types` where present; else, with `max_window_layers` (Qwen2/Qwen3), the window only from that
+    layer on; else one window for every layer (Mistral). per_layer=False ignores both, as transformers'
+    Mistral does."""
+    n = c["num_hidden_layers"]
+    window = (c.get("sliding_window") if c.get("use_sliding_window", True) else None) or None
+    types = c.get("layer_types") if per_layer else None
+    if types is not None:
+        if len(types) != n:
+            raise ValueError(f"layer_types lists {len(types)} layers, the model has {n}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported by this decoder; "
+                             "expected sliding_attention or full_attention")
+        return [window if t == "sliding_attention" else None for t in types]
+    first = c.get("max_window_layers") if per_layer else None
+    if first is not None:
+        return [window if i >= first else None for i in range(n)]
+    return [window] * n
