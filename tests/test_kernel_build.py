@@ -37,9 +37,10 @@ def test_simde_flags_need_avx2_fma_and_f16c(monkeypatch):
     assert cpu.simd_cflags() is None
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx", "avx2", "fma", "f16c"})
     flags = cpu.simd_cflags()
-    assert flags[0] == "-DTOKENMILL_SIMDE" and flags[1].startswith("-I")
+    assert flags[0] == "-DTOKENMILL_SIMDE" and flags[1].startswith("-I") and "-mno-avx512f" not in flags
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx2", "fma", "f16c", *cpu._NEEDED})
     monkeypatch.delenv("TOKENMILL_KERNELS_SIMDE", raising=False)
     assert cpu.simd_cflags() == []
     monkeypatch.setenv("TOKENMILL_KERNELS_SIMDE", "1")  # the AVX2 build, asked for on an AVX-512 CPU
-    assert cpu.simd_cflags()[0] == "-DTOKENMILL_SIMDE"
+    flags = cpu.simd_cflags()
+    assert flags[0] == "-DTOKENMILL_SIMDE" and flags[-1] == "-mno-avx512f"  # with no AVX-512 instruction

@@ -63,7 +63,10 @@ def simd_cflags() -> list[str] | None:
             import simde_py
         except ImportError:
             return None
-        return ["-DTOKENMILL_SIMDE", f"-I{simde_py.get_include()}"]
+        # On an AVX-512 CPU, the build an AVX2 CPU gets: no AVX-512 instruction at all (with it, the compiler's
+        # own AVX-512 types and SIMDe's meet, and the build would not be the one being tried).
+        no_avx512 = ["-mno-avx512f"] if native else []
+        return ["-DTOKENMILL_SIMDE", f"-I{simde_py.get_include()}", *no_avx512]
     return None
 
 
