@@ -27,6 +27,10 @@ def test_kernels_build_on_this_cpu():
         pytest.skip("the kernels are switched off (TOKENMILL_DISABLE_CPU_KERNELS)")
     assert cpu.load() is not None
     assert quant.load() is not None and quant.load().vectorized
+    # The native build takes VNNI's byte products and AMX's int8 tiles where the CPU has them.
+    native = AVX512 and not os.environ.get("TOKENMILL_KERNELS_SIMDE")
+    assert quant.load().vnni == (native and "avx512_vnni" in FLAGS)
+    assert quant.load().amx == (native and "amx_int8" in FLAGS and "amx_tile" in FLAGS)
     # The build is native where the CPU has AVX-512, and SIMDe's otherwise.
     through_simde = not AVX512 or bool(os.environ.get("TOKENMILL_KERNELS_SIMDE"))
     assert ("-DTOKENMILL_SIMDE" in cpu.simd_cflags()) == through_simde

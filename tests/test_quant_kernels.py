@@ -76,7 +76,7 @@ def test_dequantize_matches_gguf(kernels, qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 17, 47, 48, 64])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 16, 17, 47, 48, 64])
 def test_matmul_matches_float64(kernels, qtype, batch):
     """Below kernels.float_rows input rows the product quantizes them to int8 (the decode path); from it on
     it multiplies dequantized weights with the float inputs (the prompt path). Each against its own
@@ -99,6 +99,29 @@ def test_matmul_matches_float64(kernels, qtype, batch):
         # Against the float activations: the int8 rounding, about 1/254 of each block's largest value.
         plain = x.astype(np.float64) @ w64.T
         assert np.max(np.abs(got - plain) / scale) < (1e-2 if int8_inputs else 2e-5), (n, k)
+
+
+def test_bfloat16_rows_below_the_float_path_take_int8_inputs(kernels):
+    """bfloat16 inputs below float_rows(bfloat16=True) rows (16 and more run on AMX's int8 tiles where the CPU
+    has them) give the exact product of their int8-rounded values, as float32 inputs do."""
+    rng = np.random.default_rng(11)
+    rows = max(16, kernels.float_rows(bfloat16=True) - 1)
+    if rows >= kernels.float_rows(bfloat16=True):
+        pytest.skip("bfloat16 inputs take the float path from 16 rows here")
+    for qtype in TYPES:
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        n, k = 37, 2 * block
+        data = random_blocks(qtype, n, k, rng)
+        w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+        got = w.matmul(x).double().numpy()
+        xk = quantized_activation(x.float().numpy())
+        w64 = gguf.quants.dequantize(data, qtype).reshape(n, k).astype(np.float64)
+        exact = xk @ w64.T
+        scale = np.abs(xk) @ np.abs(w64).T + 1e-30
+        # Within the output's bfloat16 rounding of the exact product (float32 sums aside); the float inputs'
+        # product lies further off, by the int8 rounding of the inputs.
+        assert np.all(np.abs(got - exact) <= 2.0 ** -8 * np.abs(exact) + 2e-5 * scale), qtype
 
 
 def test_prompt_path_keeps_float_inputs(kernels):

@@ -18,7 +18,7 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_product.h", "simd.h")]
+_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_product.h", "quant_amx.h", "simd.h")]
 
 # GGML type id -> (name, elements per block, bytes per block), for the types with a kernel.
 FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),

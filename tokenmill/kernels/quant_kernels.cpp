@@ -98,4 +98,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("vnni") = false;
 #endif
+#ifdef TM_QUANT_AMX
+  m.attr("amx") = tmq::amx_usable();  // products of 16 rows or more run on AMX's int8 tiles
+#else
+  m.attr("amx") = false;
+#endif
 }

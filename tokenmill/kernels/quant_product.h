@@ -18,16 +18,19 @@
 #include <vector>
 
 #include "quant.h"
+#include "quant_amx.h"
 
 namespace tmq {
 
 // From this many input rows on, dequantize + GEMM. Measured on 2 cores with a 2048 x 8192 matrix: float32
 // (AVX-512 without VNNI), the byte products were faster at 32 rows (~1.3x), the float GEMM at 64 (~1.2x;
-// ~1.6x at 256). bfloat16 on AMX, whose GEMM runs ~6x the float32 rate: a Q4_K product of 16 rows takes
-// 2.7 ms through the byte products (VNNI) and ~2.5 ms dequantized, one of 47 rows 7.8 and ~3.0 ms.
+// ~1.6x at 256). With AMX, bfloat16 inputs (whose GEMM runs ~6x the float32 rate), a Q4_K 8192 x 2048
+// product: 16 rows 2.7 ms one weight row at a time (VNNI), 1.4 on AMX's int8 tiles, 2.4 dequantized; 48 rows
+// 7.8, 2.6 and 3.0 ms; 64 rows 3.3 on tiles, 3.2 dequantized, which pulls ahead from there (128 rows: 6.0
+// and 4.0 ms; 512: 24 and 9.9). Q6_K 2048 x 8192 alike.
 constexpr int64_t kFloatRows = 48;
-#ifdef __AMX_BF16__
-constexpr int64_t kFloatRowsBf16 = 16;
+#if defined(__AMX_BF16__) && defined(__AMX_INT8__)
+constexpr int64_t kFloatRowsBf16 = 64;
 #else
 constexpr int64_t kFloatRowsBf16 = kFloatRows;
 #endif
@@ -88,6 +91,31 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
   }
 }
 
+#ifdef TM_QUANT_AMX
+// From this many input rows on (below float_rows_for), the byte products run on AMX tiles (quant_amx.h): a
+// tile takes 16 input rows, so fewer would waste most of it on zeros.
+constexpr int64_t kAmxRows = 16;
+
+// y [M, N] (rows ldy apart) = x W^T for int8 inputs q [M rounded up to 16, K] (zero rows past M) with block
+// scales d and scaled sums s [.., K / 32]: panels of 16 weight rows over the threads, each panel unpacked once
+// into B tiles and multiplied with every 16 input rows.
+inline void amx_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const int8_t* q, const float* d,
+                        const float* s, int64_t M, int64_t K, float* y, int64_t ldy) {
+  const int64_t panels = (N + 15) / 16;
+  const int64_t per_task = std::max<int64_t>(1, panels / (8 * std::max(1, at::get_num_threads())));
+  for_tiles((panels + per_task - 1) / per_task, [&](int64_t t) {
+    configure_tiles(type == Q6_K);  // per task: other code on this thread (oneDNN's GEMM) sets its own
+    thread_local Panel panel;
+    for (int64_t i = t * per_task; i < std::min(panels, (t + 1) * per_task); ++i) {
+      const int64_t n0 = i * 16, cols = std::min<int64_t>(16, N - n0);
+      panel.build(type, w + n0 * row_bytes, row_bytes, cols, K);
+      for (int64_t m0 = 0; m0 < M; m0 += 16) panel_product(panel, q, d, s, K, m0, M, y + n0, ldy, cols);
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // y [M, N] = x [M, K] W^T, W: N rows of `row_bytes` in block format `type` (quant.h's layout); x float32 or
 // bfloat16 (contiguous), y a view of x's dtype (rows may be strided: a merged projection's columns). Call it
 // outside any parallel region, without the GIL.
@@ -103,13 +131,21 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   torch::Tensor y32 = direct ? y : torch::empty({M, N}, x32.options());
   float* yp = y32.data_ptr<float>();
   const int64_t ldy = y32.stride(0);
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nb), s(M * nb);
+  const int64_t padded = (M + 15) / 16 * 16;  // whole tiles of input rows for AMX, the rest zeros
+  std::vector<int8_t> q(padded * K);
+  std::vector<float> d(padded * nb), s(padded * nb);
   std::vector<QRow> rows(M);
   for_tiles((M + 7) / 8, [&](int64_t t) {  // (with float_rows raised, M may be a whole prompt chunk)
     for (int64_t m = t * 8; m < std::min(M, t * 8 + 8); ++m)
       quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
   });
+#ifdef TM_QUANT_AMX
+  if (M >= kAmxRows && amx_usable()) {
+    amx_product(type, w, row_bytes, N, q.data(), d.data(), s.data(), M, K, yp, ldy);
+    if (!direct) y.copy_(y32);
+    return;
+  }
+#endif
   for (int64_t m = 0; m < M; ++m) rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
   // A few rows: long tiles, so each thread streams long runs of weight rows (prefetched two rows ahead).
   // More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.

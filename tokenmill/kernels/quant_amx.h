@@ -1,0 +1,305 @@
+// Products with block-format weights on AMX (Intel Sapphire Rapids and later): y[M, N] = x[M, K] W^T with the
+// inputs quantized to int8 in blocks of 32 (as quant.h's byte products take them) and the weights' small
+// integers, multiplied 16 x 16 x 32 at a time by the tile unit (tdpbssd), each block's int32 sums then scaled
+// in float32 with AVX-512.
+//
+// A block format scales every 32 weights (16 for Q6_K) by their own factor, and every 32 inputs by theirs, so
+// each block's product is a tile of its own: C = A_b B_b, then acc[r][n] += C[r][n] dw[n] dx[r] (+ the
+// format's offset, mw[n] sx[r], where it has one). The weights stay as the file holds them: for each 16
+// weight rows, the blocks are unpacked into B tiles (32 int8 per row, 4 per tile row: the layout tdpbssd
+// reads) once, in a thread's scratch, and serve every 16 input rows.
+//
+// Values as quant.h's byte products compute them, but for the order of the float32 additions.
+#pragma once
+
+#include "quant.h"
+
+#if defined(TM_QUANT_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(TOKENMILL_SIMDE)
+#define TM_QUANT_AMX 1
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace tmq {
+
+// Linux gives a process AMX's tile state only once it asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
+inline bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tiles: 0, 1 A (16 input rows x 32 bytes, or 16 for Q6_K's sub-blocks: `half`) and 2, 3 B (the same weights
+// of 16 rows, 4 per tile row), taken in turn, so that a tile is loaded while the other is multiplied; 4-7 C
+// (16 x 16 int32), in turn, so that a C tile is zeroed for a new product well after its last sums were stored
+// (a tile written too soon after its store waits for it).
+inline void configure_tiles(bool half) {
+  struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } c{};
+  c.palette = 1;
+  for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = half ? 16 : 32;
+  for (int t = 2; t < 4; ++t) c.rows[t] = half ? 4 : 8, c.colsb[t] = 64;
+  for (int t = 4; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// 16 weight rows' 32 bytes each, two rows a vector (rows 2p, 2p+1 in the halves of rows[p]), into the B tile
+// layout: tile row k holds bytes 4k..4k+3 of each of the 16 rows. A 16 x 8 transpose of dwords.
+inline void store_b_tile(const __m512i rows[8], uint8_t* out) {
+  const __m512i i0 = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+  const __m512i i1 = _mm512_set_epi32(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4);
+  __m512i t[2][4];  // t[h][g]: lane l holds dword 4h + l of rows 4g..4g+3
+  for (int g = 0; g < 4; ++g) {
+    t[0][g] = _mm512_permutex2var_epi32(rows[2 * g], i0, rows[2 * g + 1]);
+    t[1][g] = _mm512_permutex2var_epi32(rows[2 * g], i1, rows[2 * g + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m512i a01 = _mm512_shuffle_i32x4(t[h][0], t[h][1], 0x44), b01 = _mm512_shuffle_i32x4(t[h][0], t[h][1], 0xEE);
+    const __m512i a23 = _mm512_shuffle_i32x4(t[h][2], t[h][3], 0x44), b23 = _mm512_shuffle_i32x4(t[h][2], t[h][3], 0xEE);
+    _mm512_storeu_si512((void*)(out + 64 * (4 * h + 0)), _mm512_shuffle_i32x4(a01, a23, 0x88));
+    _mm512_storeu_si512((void*)(out + 64 * (4 * h + 1)), _mm512_shuffle_i32x4(a01, a23, 0xDD));
+    _mm512_storeu_si512((void*)(out + 64 * (4 * h + 2)), _mm512_shuffle_i32x4(b01, b23, 0x88));
+    _mm512_storeu_si512((void*)(out + 64 * (4 * h + 3)), _mm512_shuffle_i32x4(b01, b23, 0xDD));
+  }
+}
+
+inline __m512i two_rows(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+
+// A panel: 16 weight rows (fewer at the matrix's end; the rest zero) as B tiles, one per block of 32 weights,
+// with each block's scale per row (dw) and, for formats with one, its offset per row (mw): the weight is
+// dw q + mw, q the tile's int8. Q6_K's blocks of 32 hold two sub-blocks of 16, scaled apart (dw has two
+// entries per block).
+struct Panel {
+  int type;
+  int64_t blocks;       // of 32 weights
+  bool offsets, halves;  // mw is used; Q6_K: dw per 16 weights
+  std::vector<uint8_t> tiles;  // [blocks][512]
+  std::vector<float> dw, mw;   // [blocks (x2 for halves)][16]: a block's values for the 16 rows
+
+  void build(int type_, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K) {
+    type = type_;
+    blocks = K / QK;
+    offsets = type == Q4_1 || type == Q4_K || type == Q5_K;
+    halves = type == Q6_K;
+    tiles.resize(blocks * 512);
+    const int64_t per_row = blocks * (halves ? 2 : 1);  // scales per weight row
+    rows_dw.assign(16 * per_row, 0.f);
+    rows_mw.assign(offsets ? 16 * blocks : 0, 0.f);
+    for (int64_t n = 0; n < rows; ++n)
+      scales(w + n * row_bytes, rows_dw.data() + n * per_row, offsets ? rows_mw.data() + n * blocks : nullptr, K);
+    transpose16(rows_dw, per_row, dw);
+    if (offsets) transpose16(rows_mw, blocks, mw);
+    const uint8_t* row[16];
+    for (int64_t n = 0; n < 16; ++n) row[n] = n < rows ? w + n * row_bytes : nullptr;
+    __m512i lo[8], hi[8];
+    auto pairs = [&](auto&& values, int64_t b) {  // values(row, b, lo32, hi32): blocks b and b + 1 of one row
+      for (int p = 0; p < 8; ++p) {
+        __m256i l[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, h[2] = {l[0], l[1]};
+        for (int i = 0; i < 2; ++i)
+          if (row[2 * p + i]) values(row[2 * p + i], b, l[i], h[i]);
+        lo[p] = two_rows(l[0], l[1]), hi[p] = two_rows(h[0], h[1]);
+      }
+      store_b_tile(lo, tiles.data() + b * 512);
+      if (b + 1 < blocks) store_b_tile(hi, tiles.data() + (b + 1) * 512);
+    };
+    const __m256i m4 = _mm256_set1_epi8(0xF), eight = _mm256_set1_epi8(8);
+    switch (type) {
+      case Q8_0:
+        for (int64_t b = 0; b < blocks; b += 2)
+          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+            const uint8_t* qs = r + 2 * blocks;
+            l = _mm256_loadu_si256((const __m256i*)(qs + bb * QK));
+            if (bb + 1 < blocks) h = _mm256_loadu_si256((const __m256i*)(qs + (bb + 1) * QK));
+          }, b);
+        break;
+      case Q4_0:
+      case Q4_1: {
+        const bool sub = type == Q4_0;  // Q4_0: q - 8, signed; Q4_1: q, with its offset m
+        for (int64_t b = 0; b < blocks; b += 2)
+          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+            const uint8_t* qs = r + (sub ? 2 : 4) * blocks + (bb / 2) * 32;
+            if (bb + 1 < blocks) {
+              const __m256i q = _mm256_loadu_si256((const __m256i*)qs);
+              l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            } else {  // an odd last block, GGUF's nibble order
+              const __m128i q = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0xF);
+              l = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+            }
+            if (sub) l = _mm256_sub_epi8(l, eight), h = _mm256_sub_epi8(h, eight);
+          }, b);
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const bool five = type == Q5_K;
+        const int size = five ? 176 : 144;
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int64_t b = 0; b < blocks; b += 2)
+          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+            const uint8_t* blk = r + (bb / 8) * size;
+            const int j = (int)(bb % 8) / 2;  // sub-blocks 2j (low nibbles) and 2j + 1 (high)
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(blk + (five ? 48 : 16) + 32 * j));
+            l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) {
+              const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+              l = _mm256_or_si256(l, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+              h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+            }
+          }, b);
+        break;
+      }
+      case Q6_K: {
+        const __m256i m2 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+        for (int64_t b = 0; b < blocks; b += 2)
+          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+            const BlockQ6_K* x = (const BlockQ6_K*)(r + (bb / 8) * 210);
+            const int half = (int)(bb % 8) / 4, k = (int)(bb % 4);  // blocks k, k + 1 (k even) of the half
+            const uint8_t* ql = x->ql + 64 * half;
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(x->qh + 32 * half));
+            auto block = [&](int kk) {  // q = 4 bits of ql | 2 bits of qh, minus 32
+              const __m256i q = _mm256_loadu_si256((const __m256i*)(ql + 32 * (kk & 1)));
+              const __m256i low = kk < 2 ? _mm256_and_si256(q, m4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+              const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * kk), m2), 4);
+              return _mm256_sub_epi8(_mm256_or_si256(low, high), c32);
+            };
+            l = block(k), h = block(k + 1);
+          }, b);
+        break;
+      }
+    }
+  }
+
+ private:
+  std::vector<float> rows_dw, rows_mw;  // [16][per row]: staged row by row, then transposed
+
+  static __m256i two_halves(__m128i a, __m128i b) { return _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1); }
+
+  // out[j][n] = in[n][j] for 16 rows of `cols` values.
+  static void transpose16(const std::vector<float>& in, int64_t cols, std::vector<float>& out) {
+    out.resize(cols * 16);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int)cols));
+    for (int64_t j = 0; j < cols; ++j) _mm512_storeu_ps(out.data() + j * 16, _mm512_i32gather_ps(idx, in.data() + j, 4));
+  }
+
+  // One weight row's scales (dw, a value per block, or per 16 weights for Q6_K) and offsets (mw, per block).
+  void scales(const uint8_t* r, float* dw_row, float* mw_row, int64_t K) const {
+    switch (type) {
+      case Q8_0:
+      case Q4_0:
+      case Q4_1: {
+        const uint16_t* d = (const uint16_t*)r;
+        int64_t b = 0;
+        for (; b + 16 <= blocks; b += 16) {
+          _mm512_storeu_ps(dw_row + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + b))));
+          if (mw_row) _mm512_storeu_ps(mw_row + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + blocks + b))));
+        }
+        for (; b < blocks; ++b) {
+          dw_row[b] = fp16(d[b]);
+          if (mw_row) mw_row[b] = fp16(d[blocks + b]);
+        }
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const int size = type == Q5_K ? 176 : 144;
+        for (int64_t s = 0; s < K / QKK; ++s) {
+          const uint8_t* blk = r + s * size;
+          const __m256 d = _mm256_set1_ps(fp16(*(const uint16_t*)blk)), dmin = _mm256_set1_ps(fp16(*(const uint16_t*)(blk + 2)));
+          const __m128i scm = scales_mins_k4(blk + 4);  // as quant.h's dequantization: (d sc) q - (dmin m)
+          _mm256_storeu_ps(dw_row + 8 * s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scm))));
+          _mm256_storeu_ps(mw_row + 8 * s, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(
+              dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8))))));
+        }
+        break;
+      }
+      case Q6_K:
+        for (int64_t s = 0; s < K / QKK; ++s) {
+          const BlockQ6_K* x = (const BlockQ6_K*)(r + s * 210);
+          _mm512_storeu_ps(dw_row + 16 * s, _mm512_mul_ps(_mm512_set1_ps(fp16(x->d)), _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)x->scales)))));
+        }
+        break;
+    }
+  }
+};
+
+// acc[r] += float(c[r]) * dw * dx[r * nb] for 16 rows of a stored C tile (dx: the rows' scales of this block).
+inline void scale_rows(__m512 acc[16], const int32_t* c, __m512 dw, const float* dx, int64_t nb) {
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r)
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(c + 16 * r))),
+                             _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb])), acc[r]);
+}
+
+// C tile T (4..7) = A B for one product unit, A and B in tiles A (0 or 1) and B (2 or 3). A macro: the
+// compiler's tile intrinsics take a tile's number as text.
+#define TM_ISSUE_UNIT(T, A, B, a, K, b) \
+  do {                                  \
+    _tile_loadd(A, a, K);               \
+    _tile_loadd(B, b, 64);              \
+    _tile_zero(T);                      \
+    _tile_dpbssd(T, A, B);              \
+  } while (0)
+
+// y[m, n0 + c] (rows ldy apart, c < cols) for the input rows [m0, m0 + 16) of x (int8 rows of K bytes, padded
+// to whole tiles of 16 rows with zeros; d and s: each row's block scales and scaled sums, K / 32 per row).
+// A unit is a block of 32 weights (two of 16 for Q6_K). Pipelined: while unit u is issued to the tile unit,
+// the sums of unit u - 1 are stored, and those of unit u - 2 (stored one step earlier, so landed) scaled.
+inline void panel_product(const Panel& p, const int8_t* q, const float* d, const float* s, int64_t K, int64_t m0,
+                          int64_t M, float* y, int64_t ldy, int64_t cols) {
+  const int64_t nb = p.blocks, per_block = p.halves ? 2 : 1, units = nb * per_block;
+  alignas(64) int32_t c[2][16 * 16];
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* a = q + m0 * K;
+  const float* dx = d + m0 * nb;
+  const float* sx = s + m0 * nb;
+  const uint8_t* tiles = p.tiles.data();
+  for (int64_t u = 0; u < units + 2; ++u) {
+    if (u < units) {
+      const int64_t b = u / per_block, h = u % per_block;
+      const int8_t* au = a + b * QK + 16 * h;
+      const uint8_t* bu = tiles + b * 512 + 256 * h;
+      switch (u % 4) {
+        case 0: TM_ISSUE_UNIT(4, 0, 2, au, K, bu); break;
+        case 1: TM_ISSUE_UNIT(5, 1, 3, au, K, bu); break;
+        case 2: TM_ISSUE_UNIT(6, 0, 2, au, K, bu); break;
+        default: TM_ISSUE_UNIT(7, 1, 3, au, K, bu); break;
+      }
+    }
+    if (u >= 1 && u <= units) {
+      int32_t* out = c[(u - 1) % 2];
+      switch ((u - 1) % 4) {
+        case 0: _tile_stored(4, out, 64); break;
+        case 1: _tile_stored(5, out, 64); break;
+        case 2: _tile_stored(6, out, 64); break;
+        default: _tile_stored(7, out, 64); break;
+      }
+    }
+    if (u >= 2) {
+      const int64_t v = u - 2;
+      scale_rows(acc, c[v % 2], _mm512_loadu_ps(p.dw.data() + v * 16), dx + v / per_block, nb);
+    }
+  }
+  if (p.offsets)  // + mw[n] sx[r] per block: the formats' offsets times the inputs' scaled sums
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 mw = _mm512_loadu_ps(p.mw.data() + b * 16);
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+    }
+  const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+  for (int r = 0; r < 16 && m0 + r < M; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * ldy, mask, acc[r]);
+}
+
+#undef TM_ISSUE_UNIT
+
+}  // namespace tmq
+
+#endif  // TM_QUANT_AMX
