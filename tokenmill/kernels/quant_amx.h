@@ -4,10 +4,11 @@
 // in float32 with AVX-512.
 //
 // A block format scales every 32 weights (16 for Q6_K) by their own factor, and every 32 inputs by theirs, so
-// each block's product is a tile of its own: C = A_b B_b, then acc[r][n] += C[r][n] dw[n] dx[r] (+ the
-// format's offset, mw[n] sx[r], where it has one). The weights stay as the file holds them: for each 16
-// weight rows, the blocks are unpacked into B tiles (32 int8 per row, 4 per tile row: the layout tdpbssd
-// reads) once, in a thread's scratch, and serve every 16 input rows.
+// each block's product is a tile of its own: C = W_b X_b^T (16 weight rows by 16 input rows), then
+// acc[n][m] += C[n][m] dw[n] dx[m] (+ the format's offset, mw[n] sx[m], where it has one). The weights are
+// the tiles' A operand, 16 rows of 32 bytes as the rows run, so a panel of 16 weight rows is only unpacked
+// from its blocks (once, into a thread's scratch); the inputs are the B operand, transposed into the layout
+// tdpbssd reads (4 bytes of each of 16 rows per tile row) once per product, shared by every panel.
 //
 // Values as quant.h's byte products compute them, but for the order of the float32 additions.
 #pragma once
@@ -31,10 +32,10 @@ inline bool amx_usable() {
   return ok;
 }
 
-// Tiles: 0, 1 A (16 input rows x 32 bytes, or 16 for Q6_K's sub-blocks: `half`) and 2, 3 B (the same weights
-// of 16 rows, 4 per tile row), taken in turn, so that a tile is loaded while the other is multiplied; 4-7 C
-// (16 x 16 int32), in turn, so that a C tile is zeroed for a new product well after its last sums were stored
-// (a tile written too soon after its store waits for it).
+// Tiles: 0, 1 A (16 weight rows x 32 bytes, or 16 for Q6_K's sub-blocks: `half`) and 2, 3 B (the same
+// inputs of 16 rows, 4 per tile row), taken in turn, so that a tile is loaded while the other is multiplied;
+// 4-7 C (16 x 16 int32), in turn, so that a C tile is zeroed for a new product well after its last sums were
+// stored (a tile written too soon after its store waits for it).
 inline void configure_tiles(bool half) {
   struct {
     uint8_t palette, start;
@@ -49,8 +50,8 @@ inline void configure_tiles(bool half) {
   _tile_loadconfig(&c);
 }
 
-// 16 weight rows' 32 bytes each, two rows a vector (rows 2p, 2p+1 in the halves of rows[p]), into the B tile
-// layout: tile row k holds bytes 4k..4k+3 of each of the 16 rows. A 16 x 8 transpose of dwords.
+// 16 rows' 32 bytes each, two rows a vector (rows 2p, 2p+1 in the halves of rows[p]), into the B tile layout:
+// tile row k holds bytes 4k..4k+3 of each of the 16 rows. A 16 x 8 transpose of dwords.
 inline void store_b_tile(const __m512i rows[8], uint8_t* out) {
   const __m512i i0 = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
   const __m512i i1 = _mm512_set_epi32(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4);
@@ -69,18 +70,18 @@ inline void store_b_tile(const __m512i rows[8], uint8_t* out) {
   }
 }
 
-inline __m512i two_rows(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
-
-// A panel: 16 weight rows (fewer at the matrix's end; the rest zero) as B tiles, one per block of 32 weights,
-// with each block's scale per row (dw) and, for formats with one, its offset per row (mw): the weight is
-// dw q + mw, q the tile's int8. Q6_K's blocks of 32 hold two sub-blocks of 16, scaled apart (dw has two
-// entries per block).
+// A panel: 16 weight rows (fewer at the matrix's end; the rest zero) as A tiles, one per block of 32 weights
+// (512 bytes: row n's 32 int8 at 32 n), with each row's scale per block (dw) and, for formats with one, its
+// offset per block (mw): the weight is dw q + mw, q the tile's int8. Q6_K's blocks of 32 hold two sub-blocks
+// of 16, scaled apart (dw has two entries per block).
 struct Panel {
   int type;
-  int64_t blocks;       // of 32 weights
+  int64_t blocks;        // of 32 weights
   bool offsets, halves;  // mw is used; Q6_K: dw per 16 weights
-  std::vector<uint8_t> tiles;  // [blocks][512]
-  std::vector<float> dw, mw;   // [blocks (x2 for halves)][16]: a block's values for the 16 rows
+  std::vector<uint8_t> tiles;  // [blocks][16 rows][32]
+  std::vector<float> dw, mw;   // [16 rows][blocks (x2 for halves)]
+
+  int64_t units_per_row() const { return blocks * (halves ? 2 : 1); }
 
   void build(int type_, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K) {
     type = type_;
@@ -88,51 +89,44 @@ struct Panel {
     offsets = type == Q4_1 || type == Q4_K || type == Q5_K;
     halves = type == Q6_K;
     tiles.resize(blocks * 512);
-    const int64_t per_row = blocks * (halves ? 2 : 1);  // scales per weight row
-    rows_dw.assign(16 * per_row, 0.f);
-    rows_mw.assign(offsets ? 16 * blocks : 0, 0.f);
+    if (rows < 16) std::fill(tiles.begin(), tiles.end(), 0);
+    dw.assign(16 * units_per_row(), 0.f);
+    mw.assign(offsets ? 16 * blocks : 0, 0.f);
     for (int64_t n = 0; n < rows; ++n)
-      scales(w + n * row_bytes, rows_dw.data() + n * per_row, offsets ? rows_mw.data() + n * blocks : nullptr, K);
-    transpose16(rows_dw, per_row, dw);
-    if (offsets) transpose16(rows_mw, blocks, mw);
-    const uint8_t* row[16];
-    for (int64_t n = 0; n < 16; ++n) row[n] = n < rows ? w + n * row_bytes : nullptr;
-    __m512i lo[8], hi[8];
-    auto pairs = [&](auto&& values, int64_t b) {  // values(row, b, lo32, hi32): blocks b and b + 1 of one row
-      for (int p = 0; p < 8; ++p) {
-        __m256i l[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, h[2] = {l[0], l[1]};
-        for (int i = 0; i < 2; ++i)
-          if (row[2 * p + i]) values(row[2 * p + i], b, l[i], h[i]);
-        lo[p] = two_rows(l[0], l[1]), hi[p] = two_rows(h[0], h[1]);
-      }
-      store_b_tile(lo, tiles.data() + b * 512);
-      if (b + 1 < blocks) store_b_tile(hi, tiles.data() + (b + 1) * 512);
+      scales(w + n * row_bytes, dw.data() + n * units_per_row(), offsets ? mw.data() + n * blocks : nullptr, K);
+    // values(row, b, lo, hi): blocks b and b + 1 (b even) of one row, into rows n of tiles b and b + 1.
+    auto pairs = [&](auto&& values) {
+      for (int64_t n = 0; n < rows; ++n)
+        for (int64_t b = 0; b < blocks; b += 2) {
+          __m256i lo = _mm256_setzero_si256(), hi = lo;
+          values(w + n * row_bytes, b, lo, hi);
+          _mm256_storeu_si256((__m256i*)(tiles.data() + b * 512 + 32 * n), lo);
+          if (b + 1 < blocks) _mm256_storeu_si256((__m256i*)(tiles.data() + (b + 1) * 512 + 32 * n), hi);
+        }
     };
     const __m256i m4 = _mm256_set1_epi8(0xF), eight = _mm256_set1_epi8(8);
     switch (type) {
       case Q8_0:
-        for (int64_t b = 0; b < blocks; b += 2)
-          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
-            const uint8_t* qs = r + 2 * blocks;
-            l = _mm256_loadu_si256((const __m256i*)(qs + bb * QK));
-            if (bb + 1 < blocks) h = _mm256_loadu_si256((const __m256i*)(qs + (bb + 1) * QK));
-          }, b);
+        pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+          const uint8_t* qs = r + 2 * blocks;
+          l = _mm256_loadu_si256((const __m256i*)(qs + bb * QK));
+          if (bb + 1 < blocks) h = _mm256_loadu_si256((const __m256i*)(qs + (bb + 1) * QK));
+        });
         break;
       case Q4_0:
       case Q4_1: {
         const bool sub = type == Q4_0;  // Q4_0: q - 8, signed; Q4_1: q, with its offset m
-        for (int64_t b = 0; b < blocks; b += 2)
-          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
-            const uint8_t* qs = r + (sub ? 2 : 4) * blocks + (bb / 2) * 32;
-            if (bb + 1 < blocks) {
-              const __m256i q = _mm256_loadu_si256((const __m256i*)qs);
-              l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            } else {  // an odd last block, GGUF's nibble order
-              const __m128i q = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0xF);
-              l = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
-            }
-            if (sub) l = _mm256_sub_epi8(l, eight), h = _mm256_sub_epi8(h, eight);
-          }, b);
+        pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+          const uint8_t* qs = r + (sub ? 2 : 4) * blocks + (bb / 2) * 32;
+          if (bb + 1 < blocks) {
+            const __m256i q = _mm256_loadu_si256((const __m256i*)qs);
+            l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          } else {  // an odd last block, GGUF's nibble order
+            const __m128i q = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0xF);
+            l = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+          }
+          if (sub) l = _mm256_sub_epi8(l, eight), h = _mm256_sub_epi8(h, eight);
+        });
         break;
       }
       case Q4_K:
@@ -140,53 +134,41 @@ struct Panel {
         const bool five = type == Q5_K;
         const int size = five ? 176 : 144;
         const __m256i one = _mm256_set1_epi8(1);
-        for (int64_t b = 0; b < blocks; b += 2)
-          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
-            const uint8_t* blk = r + (bb / 8) * size;
-            const int j = (int)(bb % 8) / 2;  // sub-blocks 2j (low nibbles) and 2j + 1 (high)
-            const __m256i q = _mm256_loadu_si256((const __m256i*)(blk + (five ? 48 : 16) + 32 * j));
-            l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (five) {
-              const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
-              l = _mm256_or_si256(l, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
-              h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
-            }
-          }, b);
+        pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+          const uint8_t* blk = r + (bb / 8) * size;
+          const int j = (int)(bb % 8) / 2;  // sub-blocks 2j (low nibbles) and 2j + 1 (high)
+          const __m256i q = _mm256_loadu_si256((const __m256i*)(blk + (five ? 48 : 16) + 32 * j));
+          l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          if (five) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+            l = _mm256_or_si256(l, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+            h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+          }
+        });
         break;
       }
       case Q6_K: {
         const __m256i m2 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
-        for (int64_t b = 0; b < blocks; b += 2)
-          pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
-            const BlockQ6_K* x = (const BlockQ6_K*)(r + (bb / 8) * 210);
-            const int half = (int)(bb % 8) / 4, k = (int)(bb % 4);  // blocks k, k + 1 (k even) of the half
-            const uint8_t* ql = x->ql + 64 * half;
-            const __m256i qh = _mm256_loadu_si256((const __m256i*)(x->qh + 32 * half));
-            auto block = [&](int kk) {  // q = 4 bits of ql | 2 bits of qh, minus 32
-              const __m256i q = _mm256_loadu_si256((const __m256i*)(ql + 32 * (kk & 1)));
-              const __m256i low = kk < 2 ? _mm256_and_si256(q, m4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-              const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * kk), m2), 4);
-              return _mm256_sub_epi8(_mm256_or_si256(low, high), c32);
-            };
-            l = block(k), h = block(k + 1);
-          }, b);
+        pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+          const BlockQ6_K* x = (const BlockQ6_K*)(r + (bb / 8) * 210);
+          const int half = (int)(bb % 8) / 4, k = (int)(bb % 4);  // blocks k, k + 1 (k even) of the half
+          const uint8_t* ql = x->ql + 64 * half;
+          const __m256i qh = _mm256_loadu_si256((const __m256i*)(x->qh + 32 * half));
+          auto block = [&](int kk) {  // q = 4 bits of ql | 2 bits of qh, minus 32
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(ql + 32 * (kk & 1)));
+            const __m256i low = kk < 2 ? _mm256_and_si256(q, m4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * kk), m2), 4);
+            return _mm256_sub_epi8(_mm256_or_si256(low, high), c32);
+          };
+          l = block(k), h = block(k + 1);
+        });
         break;
       }
     }
   }
 
  private:
-  std::vector<float> rows_dw, rows_mw;  // [16][per row]: staged row by row, then transposed
-
   static __m256i two_halves(__m128i a, __m128i b) { return _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1); }
-
-  // out[j][n] = in[n][j] for 16 rows of `cols` values.
-  static void transpose16(const std::vector<float>& in, int64_t cols, std::vector<float>& out) {
-    out.resize(cols * 16);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32((int)cols));
-    for (int64_t j = 0; j < cols; ++j) _mm512_storeu_ps(out.data() + j * 16, _mm512_i32gather_ps(idx, in.data() + j, 4));
-  }
 
   // One weight row's scales (dw, a value per block, or per 16 weights for Q6_K) and offsets (mw, per block).
   void scales(const uint8_t* r, float* dw_row, float* mw_row, int64_t K) const {
@@ -230,48 +212,76 @@ struct Panel {
   }
 };
 
-// acc[r] += float(c[r]) * dw * dx[r * nb] for 16 rows of a stored C tile (dx: the rows' scales of this block).
-inline void scale_rows(__m512 acc[16], const int32_t* c, __m512 dw, const float* dx, int64_t nb) {
+// The inputs as tdpbssd's B operand: for each 16 rows (zeros past M) and each block of 32, a 512-byte tile
+// (store_b_tile's layout), and each row's block scale and scaled sum as vectors over the 16 rows.
+struct Inputs {
+  int64_t blocks, tiles16;  // blocks of 32 per row; tiles of 16 rows
+  std::vector<uint8_t> b;   // [tiles16][blocks][512]
+  std::vector<float> d, s;  // [tiles16][blocks][16]
+
+  // q [rows rounded up to 16, K] int8 with zero rows past M; d, s [.., K / 32].
+  void set(const int8_t* q, const float* dq, const float* sq, int64_t M, int64_t K) {
+    blocks = K / QK, tiles16 = (M + 15) / 16;
+    b.resize(tiles16 * blocks * 512);
+    d.resize(tiles16 * blocks * 16), s.resize(tiles16 * blocks * 16);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int)blocks));
+    for (int64_t t = 0; t < tiles16; ++t)
+      for (int64_t j = 0; j < blocks; ++j) {
+        __m512i rows[8];
+        for (int p = 0; p < 8; ++p) {
+          const int8_t* r = q + (t * 16 + 2 * p) * K + j * QK;
+          rows[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)r)),
+                                       _mm256_loadu_si256((const __m256i*)(r + K)), 1);
+        }
+        store_b_tile(rows, b.data() + (t * blocks + j) * 512);
+        _mm512_storeu_ps(d.data() + (t * blocks + j) * 16, _mm512_i32gather_ps(idx, dq + t * 16 * blocks + j, 4));
+        _mm512_storeu_ps(s.data() + (t * blocks + j) * 16, _mm512_i32gather_ps(idx, sq + t * 16 * blocks + j, 4));
+      }
+  }
+};
+
+// acc[n] += float(c[n]) * dw[n * stride] * dx for the 16 weight rows of a stored C tile (dx: the 16 input
+// rows' scales of this block).
+inline void scale_rows(__m512 acc[16], const int32_t* c, const float* dw, int64_t stride, __m512 dx) {
 #pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r)
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(c + 16 * r))),
-                             _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb])), acc[r]);
+  for (int n = 0; n < 16; ++n)
+    acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(c + 16 * n))),
+                             _mm512_mul_ps(dx, _mm512_set1_ps(dw[n * stride])), acc[n]);
 }
 
 // C tile T (4..7) = A B for one product unit, A and B in tiles A (0 or 1) and B (2 or 3). A macro: the
 // compiler's tile intrinsics take a tile's number as text.
-#define TM_ISSUE_UNIT(T, A, B, a, K, b) \
-  do {                                  \
-    _tile_loadd(A, a, K);               \
-    _tile_loadd(B, b, 64);              \
-    _tile_zero(T);                      \
-    _tile_dpbssd(T, A, B);              \
+#define TM_ISSUE_UNIT(T, A, B, a, b) \
+  do {                               \
+    _tile_loadd(A, a, 32);           \
+    _tile_loadd(B, b, 64);           \
+    _tile_zero(T);                   \
+    _tile_dpbssd(T, A, B);           \
   } while (0)
 
-// y[m, n0 + c] (rows ldy apart, c < cols) for the input rows [m0, m0 + 16) of x (int8 rows of K bytes, padded
-// to whole tiles of 16 rows with zeros; d and s: each row's block scales and scaled sums, K / 32 per row).
+// y[m0 + m, n0 + n] (rows ldy apart, n < cols, m0 + m < M) for input tile t of x (rows [16 t, 16 t + 16)).
 // A unit is a block of 32 weights (two of 16 for Q6_K). Pipelined: while unit u is issued to the tile unit,
 // the sums of unit u - 1 are stored, and those of unit u - 2 (stored one step earlier, so landed) scaled.
-inline void panel_product(const Panel& p, const int8_t* q, const float* d, const float* s, int64_t K, int64_t m0,
-                          int64_t M, float* y, int64_t ldy, int64_t cols) {
-  const int64_t nb = p.blocks, per_block = p.halves ? 2 : 1, units = nb * per_block;
+inline void panel_product(const Panel& p, const Inputs& x, int64_t t, int64_t M, float* y, int64_t ldy,
+                          int64_t cols) {
+  const int64_t nb = p.blocks, per_block = p.halves ? 2 : 1, units = nb * per_block, stride = p.units_per_row();
   alignas(64) int32_t c[2][16 * 16];
   __m512 acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* a = q + m0 * K;
-  const float* dx = d + m0 * nb;
-  const float* sx = s + m0 * nb;
-  const uint8_t* tiles = p.tiles.data();
+  for (int n = 0; n < 16; ++n) acc[n] = _mm512_setzero_ps();
+  const uint8_t* wt = p.tiles.data();
+  const uint8_t* xt = x.b.data() + t * nb * 512;
+  const float* dx = x.d.data() + t * nb * 16;
   for (int64_t u = 0; u < units + 2; ++u) {
     if (u < units) {
       const int64_t b = u / per_block, h = u % per_block;
-      const int8_t* au = a + b * QK + 16 * h;
-      const uint8_t* bu = tiles + b * 512 + 256 * h;
+      const uint8_t* au = wt + b * 512 + 16 * h;
+      const uint8_t* bu = xt + b * 512 + 256 * h;
       switch (u % 4) {
-        case 0: TM_ISSUE_UNIT(4, 0, 2, au, K, bu); break;
-        case 1: TM_ISSUE_UNIT(5, 1, 3, au, K, bu); break;
-        case 2: TM_ISSUE_UNIT(6, 0, 2, au, K, bu); break;
-        default: TM_ISSUE_UNIT(7, 1, 3, au, K, bu); break;
+        case 0: TM_ISSUE_UNIT(4, 0, 2, au, bu); break;
+        case 1: TM_ISSUE_UNIT(5, 1, 3, au, bu); break;
+        case 2: TM_ISSUE_UNIT(6, 0, 2, au, bu); break;
+        default: TM_ISSUE_UNIT(7, 1, 3, au, bu); break;
       }
     }
     if (u >= 1 && u <= units) {
@@ -285,17 +295,24 @@ inline void panel_product(const Panel& p, const int8_t* q, const float* d, const
     }
     if (u >= 2) {
       const int64_t v = u - 2;
-      scale_rows(acc, c[v % 2], _mm512_loadu_ps(p.dw.data() + v * 16), dx + v / per_block, nb);
+      scale_rows(acc, c[v % 2], p.dw.data() + v, stride, _mm512_loadu_ps(dx + v / per_block * 16));
     }
   }
-  if (p.offsets)  // + mw[n] sx[r] per block: the formats' offsets times the inputs' scaled sums
+  if (p.offsets) {  // + mw[n] sx[m] per block: the formats' offsets times the inputs' scaled sums
+    const float* sx = x.s.data() + t * nb * 16;
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 mw = _mm512_loadu_ps(p.mw.data() + b * 16);
+      const __m512 sv = _mm512_loadu_ps(sx + b * 16);
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+      for (int n = 0; n < 16; ++n) acc[n] = _mm512_fmadd_ps(sv, _mm512_set1_ps(p.mw[n * nb + b]), acc[n]);
     }
+  }
+  alignas(64) float out[16 * 16];  // [n][m]: written out transposed, y's rows being the inputs'
+  for (int n = 0; n < 16; ++n) _mm512_store_ps(out + 16 * n, acc[n]);
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
   const __mmask16 mask = (__mmask16)((1u << cols) - 1);
-  for (int r = 0; r < 16 && m0 + r < M; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * ldy, mask, acc[r]);
+  for (int64_t m = 0; m < 16 && t * 16 + m < M; ++m)
+    _mm512_mask_storeu_ps(y + (t * 16 + m) * ldy, mask, _mm512_i32gather_ps(column, out + m, 4));
 }
 
 #undef TM_ISSUE_UNIT

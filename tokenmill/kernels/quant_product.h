@@ -97,10 +97,12 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
 constexpr int64_t kAmxRows = 16;
 
 // y [M, N] (rows ldy apart) = x W^T for int8 inputs q [M rounded up to 16, K] (zero rows past M) with block
-// scales d and scaled sums s [.., K / 32]: panels of 16 weight rows over the threads, each panel unpacked once
-// into B tiles and multiplied with every 16 input rows.
+// scales d and scaled sums s [.., K / 32]: the inputs transposed into B tiles once, then panels of 16 weight
+// rows over the threads, each unpacked once into A tiles and multiplied with every 16 input rows.
 inline void amx_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const int8_t* q, const float* d,
                         const float* s, int64_t M, int64_t K, float* y, int64_t ldy) {
+  Inputs inputs;
+  inputs.set(q, d, s, M, K);
   const int64_t panels = (N + 15) / 16;
   const int64_t per_task = std::max<int64_t>(1, panels / (8 * std::max(1, at::get_num_threads())));
   for_tiles((panels + per_task - 1) / per_task, [&](int64_t t) {
@@ -109,7 +111,7 @@ inline void amx_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N
     for (int64_t i = t * per_task; i < std::min(panels, (t + 1) * per_task); ++i) {
       const int64_t n0 = i * 16, cols = std::min<int64_t>(16, N - n0);
       panel.build(type, w + n0 * row_bytes, row_bytes, cols, K);
-      for (int64_t m0 = 0; m0 < M; m0 += 16) panel_product(panel, q, d, s, K, m0, M, y + n0, ldy, cols);
+      for (int64_t m = 0; m < inputs.tiles16; ++m) panel_product(panel, inputs, m, M, y + n0, ldy, cols);
     }
     _tile_release();
   });
