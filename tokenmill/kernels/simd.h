@@ -90,6 +90,9 @@ inline __m512 permutexvar_ps(__m512i idx, __m512 v) {
 inline __m512i cvtepi8_epi32(__m128i a) {
   return join(_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
 }
+inline __m512i cvtepu8_epi16(__m256i a) {
+  return join(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(a)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(a, 1)));
+}
 inline __m512i cvtepu8_epi32(__m128i a) {
   return join(_mm256_cvtepu8_epi32(a), _mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));
 }
@@ -146,6 +149,7 @@ inline int reduce_add_epi32(__m512i v) {
 #define _mm512_permutexvar_ps tm_simd::permutexvar_ps
 #define _mm512_cvtepi8_epi32 tm_simd::cvtepi8_epi32
 #define _mm512_cvtepu8_epi32 tm_simd::cvtepu8_epi32
+#define _mm512_cvtepu8_epi16 tm_simd::cvtepu8_epi16
 #define _mm512_cvtepi32_epi16 tm_simd::cvtepi32_epi16
 #define _mm512_mask3_fmadd_ps tm_simd::mask3_fmadd_ps
 #undef _mm512_roundscale_ps
