@@ -82,13 +82,13 @@ def test_gguf_greedy_matches_transformers_on_its_folder(files, name):
 def test_rope_freqs_hold_the_llama3_scaling(files):
     """The file's factors divide the frequencies as transformers' llama3 scaling scales them."""
     from tokenmill.model.gguf_loader import GGUFFile, read_config
-    from tokenmill.model.layers import _rope_inv_freq
+    from tokenmill.model.rotary import rope_inv_freq
 
     folder, path = files["llama3.1"]
     config = read_config(GGUFFile(path))
-    from_file, _ = _rope_inv_freq(16, config["rope_theta"], config["rope_scaling"])
-    from_folder, _ = _rope_inv_freq(16, 500000.0, LLAMA3)
-    plain, _ = _rope_inv_freq(16, 500000.0, None)
+    from_file, _ = rope_inv_freq(16, config["rope_theta"], config["rope_scaling"])
+    from_folder, _ = rope_inv_freq(16, 500000.0, LLAMA3)
+    plain, _ = rope_inv_freq(16, 500000.0, None)
     assert torch.allclose(from_file, from_folder, rtol=1e-6) and not torch.allclose(from_file, plain, rtol=0.1)
 
 
