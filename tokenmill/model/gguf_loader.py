@@ -189,7 +189,10 @@ def _phi3_config(reader: GGUFFile, g, config: dict) -> dict:
            or config["max_position_embeddings"]}
     dims = g("rope.dimension_count")
     if dims:
-        out["partial_rotary_factor"] = dims / config["head_dim"]
+        factor = dims / config["head_dim"]
+        # The description takes int(head_dim * factor) dims, as transformers does: keep that product whole.
+        out["partial_rotary_factor"] = factor if int(config["head_dim"] * factor) == dims else \
+            (dims + 0.5) / config["head_dim"]
     names = {t.name for t in reader.tensors}
     factors = {k: f"rope_factors_{k}.weight" for k in ("short", "long")}
     present = [k for k, n in factors.items() if n in names]
