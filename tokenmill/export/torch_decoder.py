@@ -23,11 +23,11 @@ from tokenmill.model.rotary import long_rope_inv_freq, rope_inv_freq, rope_type_
 
 
 def dense(module: nn.Module, name: str = "weight") -> torch.Tensor | None:
-    """A linear layer's weight (or bias) as a float32 tensor: its parameter, or its quantized parts
-    dequantized."""
+    """A linear layer's weight (or bias) as a float32 tensor: its parameter (the same storage, where it is
+    float32 already: a large model is not held twice), or its quantized parts dequantized."""
     p = getattr(module, name, None)
     if p is not None:
-        return p.detach().float().clone()
+        return p.detach().float()
     if name == "bias":
         return None
     return torch.cat([q.dequantize() for q in module.qparts]).float()
@@ -42,7 +42,7 @@ class TorchDecoder(nn.Module):
         self.embed = nn.Parameter(dense(model.embed_tokens), requires_grad=False)
         # None: the output layer is the embedding (tied).
         self.head = None if model.lm_head is None else nn.Parameter(dense(model.lm_head), requires_grad=False)
-        self.final_norm = nn.Parameter(model.norm.weight.detach().float().clone(), requires_grad=False)
+        self.final_norm = nn.Parameter(model.norm.weight.detach().float(), requires_grad=False)
         self.layers = nn.ModuleList(_Layer(layer, cfg.rotary_dim) for layer in model.layers)
         self.windows = list(cfg.layer_windows)
         self.layer_ropes = list(cfg.layer_ropes)
@@ -130,7 +130,7 @@ class _Layer(nn.Module):
             return None if t is None else nn.Parameter(t, requires_grad=False)
 
         def norm(module: nn.Module | None) -> nn.Parameter | None:
-            return None if module is None else param(module.weight.detach().float().clone())
+            return None if module is None else param(module.weight.detach().float())
 
         self.eps, self.offset = layer.input_layernorm.eps, layer.input_layernorm.offset
         self.input_norm = norm(layer.input_layernorm)
