@@ -162,8 +162,13 @@ class LlamaForCausalLM(nn.Module):
     def _build_fused_decoder(self, kv_caches: list, block_size: int):
         kernels = cpu_kernels.load()
         cfg = self.config
-        if kernels is None or not cpu_kernels.head_dim_ok(cfg.head_dim) or \
+        if kernels is None:
+            return None
+        if not cpu_kernels.head_dim_ok(cfg.head_dim) or \
                 any(n % 32 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
+            logger.info("the fused decode step takes head_dim a multiple of 16 up to 128 or 256, and sizes that are "
+                        "multiples of 32 (this model: head_dim %d, hidden %d, intermediate %d): decode steps run "
+                        "module by module", cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
             return None
 
         def t(module, name="weight"):  # the parameter (shared storage, not a copy), or None
