@@ -62,6 +62,7 @@ def _configs(vocab: int):
                  rope_scaling={"rope_type": "linear", "factor": 2.0})
     return {
         "llama": LlamaConfig(**common, rope_theta=10000.0),
+        **phi3_configs(common),
         "llama3-tied": LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}),
@@ -75,7 +76,30 @@ def _configs(vocab: int):
     }
 
 
-ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+def phi3_configs(common: dict) -> dict:
+    """Phi-3 with LongRoPE and a sliding window, and a Phi-4-mini-like one (partial rotary, tied embeddings).
+
+    The switch from short to long rope factors (original_max_position_embeddings 24) lies inside two of the
+    test prompts (37 and 46 tokens), and inside the generated tokens of the others; the factors
+    differ enough from each other, and across frequencies, that a token rotated with the wrong set changes
+    the greedy tokens."""
+    from transformers import Phi3Config
+
+    def longrope(dims: int, seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"rope_type": "longrope", "short_factor": (1 + torch.rand(dims // 2, generator=g)).tolist(),
+                "long_factor": (4 + 30 * torch.rand(dims // 2, generator=g)).tolist()}
+
+    phi = dict(common, original_max_position_embeddings=24)
+    return {
+        "phi3": Phi3Config(**phi, sliding_window=20, rope_scaling=longrope(16, 1)),
+        # head_dim 16, of which 12 rotate.
+        "phi4-mini": Phi3Config(**phi, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                rope_scaling=longrope(12, 2)),
+    }
+
+
+ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini"]
 
 
 def save_tiny_models(root, configs) -> dict[str, str]:
@@ -132,6 +156,20 @@ def reference_model(folder: str):
         eager = json.load(f).get("model_type", "").startswith("gemma")
     kwargs = {"attn_implementation": "eager"} if eager else {}
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+
+
+def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(ids), vocab] at each position of a sequence as its generate() computes them.
+    A LongRoPE model rotates a sequence of up to original_max_position_embeddings tokens with short factors
+    and a longer one with long factors throughout (generate() recomputes a sequence that grows past it), so
+    its positions below that length come from a pass over the tokens up to it."""
+    rope = model.config.rope_parameters or {}
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0]
+        switch = rope.get("original_max_position_embeddings")
+        if rope.get("rope_type") == "longrope" and switch < len(ids):
+            logits[:switch] = model(torch.tensor([ids[:switch]], device=model.device)).logits[0]
+    return logits
 
 
 def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):

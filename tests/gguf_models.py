@@ -1,4 +1,4 @@
-"""Tiny GGUF files (Llama, Gemma 2, Gemma 3), float or with quantized tensors, written with the gguf package
+"""Tiny GGUF files (Llama, Gemma 2, Gemma 3, Phi-3), float or with quantized tensors, written with the gguf package
 as llama.cpp's converter lays them out (tokenizer in metadata): fixtures for the GGUF loader and the
 quantized-weight path."""
 
@@ -46,13 +46,29 @@ def llama3_rope_factors(s: dict, head_dim: int, theta: float) -> np.ndarray:
     return np.where(wavelen < high, 1.0, np.where(wavelen > low, s["factor"], blend)).astype(np.float32)
 
 
-_ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3"}  # HF model_type -> GGUF architecture
+_ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}  # HF model_type -> GGUF arch
+
+
+def _phi3_metadata(writer, cfg: dict, rope: dict) -> None:
+    """What llama.cpp's converter writes for a Phi-3 model beside the common keys."""
+    import math
+
+    heads = cfg["num_attention_heads"]
+    original = cfg["original_max_position_embeddings"]
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
 def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, skip: tuple[str, ...] = ()) -> str:
-    """The tiny model in `folder` (HF format, with its tokenizer; Llama, Gemma 2 or Gemma 3) as a GGUF file,
-    laid out as llama.cpp's converter lays it out: Llama's q/k rows permuted and its llama3 rope scaling as a
-    rope_freqs tensor; Gemma's norm weights stored as 1 + w. types(gguf name) gives each weight's type name:
+    """The tiny model in `folder` (HF format, with its tokenizer; Llama, Gemma 2, Gemma 3 or Phi-3) as a GGUF
+    file, laid out as llama.cpp's converter lays it out: Llama's q/k rows permuted and its llama3 rope scaling
+    as a rope_freqs tensor; Gemma's norm weights stored as 1 + w; Phi-3's merged qkv and gate/up projections
+    as attn_qkv and ffn_up, its LongRoPE factors as rope_factors_long / rope_factors_short tensors and its
+    rotary dims, original context and attention factor as metadata. types(gguf name) gives each weight's type name:
     F32, Q8_0/Q4_0/Q4_1/Q5_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
     file's weights are then whatever those blocks hold). Norms stay F32. metadata: more key/value pairs
     (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out."""
@@ -92,6 +108,8 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     if scaling and scaling["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
+    if arch == "phi3":
+        _phi3_metadata(writer, cfg, rope)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -117,6 +135,11 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     if gemma:
         parts.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"})
+    if arch == "phi3":
+        parts.update({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
+        if rope.get("rope_type") == "longrope":
+            for which in ("long", "short"):
+                writer.add_tensor(f"rope_factors_{which}.weight", np.asarray(rope[f"{which}_factor"], dtype=np.float32))
     if scaling and scaling["rope_type"] == "llama3":
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, head_dim, theta))

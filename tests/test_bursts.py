@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ARCHS, PROMPTS, reference_model
+from tests.conftest import ARCHS, PROMPTS, reference_model, teacher_forced_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.sampling_params import RequestOutputKind
@@ -51,7 +51,10 @@ def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_request
     prompt_ids = [tok.encode(p) for p in PROMPTS + [p + " again" for p in PROMPTS[:3]]][:num_requests]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = burst.generate(prompt_ids, params, use_tqdm=False)
-    assert max(lengths) == 8 and sum(lengths) >= MAX_NEW - 8, lengths  # decode ran in bursts
+    if burst.engine.model.kv_recompute_length is None:
+        assert max(lengths) == 8 and sum(lengths) >= MAX_NEW - 8, lengths  # decode ran in bursts
+    else:  # bursts also end where a request grows past the switch of a LongRoPE model (it is recomputed there)
+        assert max(lengths) > 1, lengths
     expected = single.generate(prompt_ids, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 
@@ -61,7 +64,7 @@ def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_request
         gen = out.outputs[0].token_ids
         assert len(gen) == MAX_NEW
         with torch.no_grad():
-            lps = ref(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
+            lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1)
         for j, t in enumerate(gen[1:], start=1):
             row = lps[len(ids) + j - 1]
             gaps.append(float(row.max() - row[t]))

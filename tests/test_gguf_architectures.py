@@ -1,6 +1,7 @@
 """GGUF files of each family against transformers on the Hugging Face folder each was made from: Llama 3.1
 (llama3 rope scaling stored as a rope_freqs tensor), Llama 3.2 (the same, embeddings tied), Gemma 2 and
-Gemma 3 (norms stored as 1 + w, four norms a layer, local and global layers); and files that cannot load."""
+Gemma 3 (norms stored as 1 + w, four norms a layer, local and global layers), Phi-3 and Phi-4-mini (merged
+attn_qkv and ffn_up, LongRoPE factors as tensors, partial rotary); and files that cannot load."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from tests.conftest import PROMPTS, hf_greedy, save_tiny_models  # noqa: E402
+from tests.conftest import PROMPTS, hf_greedy, phi3_configs, save_tiny_models  # noqa: E402
 from tests.gguf_models import write_llama_gguf  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -38,6 +39,7 @@ def _configs(vocab: int) -> dict:
         # kind); query_pre_attn_scalar equal to head_dim, as in the released models but the 27B.
         "gemma3": Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
                                    query_pre_attn_scalar=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        **phi3_configs(common),
     }
 
 
@@ -53,7 +55,7 @@ def files(tmp_path_factory) -> dict[str, tuple[str, str]]:
     return {name: (folder, write_llama_gguf(root / f"{name}.gguf", folder, _float)) for name, folder in folders.items()}
 
 
-@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "gemma2", "gemma3", "phi3", "phi4-mini"])
 def test_gguf_greedy_matches_transformers_on_its_folder(files, name):
     from transformers import AutoTokenizer
 
@@ -64,6 +66,10 @@ def test_gguf_greedy_matches_transformers_on_its_folder(files, name):
     if name.startswith("llama"):
         assert cfg.ropes[0].scaling["rope_type"] == "freq_factors"
         assert (model.lm_head is None) == (name == "llama3.2")
+    elif name.startswith("phi"):
+        assert cfg.ropes[0].scaling["rope_type"] == "longrope" and model.kv_recompute_length == 24
+        assert (cfg.rotary_dim, cfg.layer_windows[0], model.lm_head is None) == \
+            ((16, 20, False) if name == "phi3" else (12, None, True))
     else:
         assert cfg.norm_offset == 1.0 and cfg.sandwich_norms and None in cfg.layer_windows and 8 in cfg.layer_windows
     tok = AutoTokenizer.from_pretrained(folder)
@@ -82,19 +88,20 @@ def test_gguf_greedy_matches_transformers_on_its_folder(files, name):
 def test_rope_freqs_hold_the_llama3_scaling(files):
     """The file's factors divide the frequencies as transformers' llama3 scaling scales them."""
     from tokenmill.model.gguf_loader import GGUFFile, read_config
-    from tokenmill.model.layers import _rope_inv_freq
+    from tokenmill.model.rotary import rope_inv_freq
 
     folder, path = files["llama3.1"]
     config = read_config(GGUFFile(path))
-    from_file, _ = _rope_inv_freq(16, config["rope_theta"], config["rope_scaling"])
-    from_folder, _ = _rope_inv_freq(16, 500000.0, LLAMA3)
-    plain, _ = _rope_inv_freq(16, 500000.0, None)
+    from_file, _ = rope_inv_freq(16, config["rope_theta"], config["rope_scaling"])
+    from_folder, _ = rope_inv_freq(16, 500000.0, LLAMA3)
+    plain, _ = rope_inv_freq(16, 500000.0, None)
     assert torch.allclose(from_file, from_folder, rtol=1e-6) and not torch.allclose(from_file, plain, rtol=0.1)
 
 
 @pytest.mark.parametrize("name,missing", [("llama3.1", "blk.1.attn_k.weight"), ("llama3.1", "blk.0.ffn_gate.weight"),
                                           ("llama3.1", "output_norm.weight"), ("gemma3", "blk.2.post_ffw_norm.weight"),
-                                          ("gemma3", "blk.0.attn_q_norm.weight")])
+                                          ("gemma3", "blk.0.attn_q_norm.weight"), ("phi3", "blk.1.attn_qkv.weight"),
+                                          ("phi3", "blk.0.ffn_up.weight")])
 def test_a_missing_tensor_is_named(files, tmp_path, name, missing):
     """A file without one of the model's tensors is refused with that tensor's GGUF name, a part of a
     merged projection (k of q/k/v, gate of gate/up) too."""
@@ -106,16 +113,16 @@ def test_a_missing_tensor_is_named(files, tmp_path, name, missing):
 
 def test_unsupported_architectures_list_the_supported_ones(files, tmp_path):
     folder, path = files["gemma3"]
-    gguf_path = tmp_path / "phi3.gguf"
-    writer = gguf.GGUFWriter(str(gguf_path), "phi3")
+    gguf_path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(gguf_path), "falcon")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'phi3'; supported: gemma2, gemma3, llama, "
-                                         r"mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'; supported: gemma2, gemma3, llama, "
+                                         r"mistral, phi3, qwen2, qwen3"):
         LLM(str(gguf_path), dtype="float32")
     # Gemma 3's multimodal checkpoints (image and text) name another class than the text model's.
     multimodal = tmp_path / "gemma3-vision"
@@ -129,3 +136,25 @@ def test_unsupported_architectures_list_the_supported_ones(files, tmp_path):
     with pytest.raises(ValueError, match=r"unsupported model architecture \['Gemma3ForConditionalGeneration'\]; "
                                          r"supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"):
         LLM(str(multimodal), dtype="float32")
+
+
+def test_phi3_merged_projections_run_in_their_block_format(files, tmp_path):
+    """A Q8_0 Phi-3 file: attn_qkv and ffn_up stay one quantized matrix each (the format's kernel runs the
+    merged product), and agree with the same file dequantized: teacher-forced logprobs within 0.1 nats."""
+    from tokenmill.kernels import quant
+
+    if quant.load() is None:
+        pytest.skip("the quantized-weight kernels could not be built here")
+    folder, _ = files["phi4-mini"]
+    path = write_llama_gguf(tmp_path / "phi-q8.gguf", folder, lambda name: "Q8_0")
+    native = LLM(path, dtype="float32", seed=0)
+    layer = native.engine.model.layers[0]
+    for merged, rows in ((layer.self_attn.qkv_proj, 64 + 2 * 32), (layer.mlp.gate_up_proj, 256)):
+        assert merged.weight is None and merged.qweight.name == "Q8_0" and merged.qweight.shape == (rows, 64)
+    reference = LLM(path, dtype="float32", seed=0, quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = [native.get_tokenizer().encode(p) for p in PROMPTS]
+    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (native, reference))
+    for prompt, g, w in zip(prompts, got, want):
+        for tok, lg, lw in zip(prompt[1:], g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 0.1

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ARCHS, PROMPTS, reference_model
+from tests.conftest import ARCHS, PROMPTS, reference_model, teacher_forced_logits
 from tests.test_reference import MODES, block_bytes
 from tests.test_sampling import LOGITS, N, expected
 from tokenmill import LLM, SamplingParams
@@ -46,7 +46,7 @@ def teacher_forced_errors(folder: str, prompt_ids: list[list[int]], outs) -> tup
         gen = out.outputs[0].token_ids
         assert len(gen) == MAX_NEW
         with torch.no_grad():
-            lps = ref(torch.tensor([ids + gen], device=DEVICE)).logits[0].float().log_softmax(-1).cpu()
+            lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1).cpu()
         for j, t in enumerate(gen):
             ref_lp = lps[len(ids) + j - 1]
             gaps.append(float(ref_lp.max() - ref_lp[t]))

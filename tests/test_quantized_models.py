@@ -272,7 +272,7 @@ def test_quantization_option_is_checked():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "phi4-mini"])
 def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     """quantization='int8' / 'int4' on float weights: the layers hold Q8_0 / Q4_1 blocks (the embedding and
     output layer Q8_0), and the logprobs match transformers running the same quantized weights (dequantized

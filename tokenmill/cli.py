@@ -1,4 +1,4 @@
-"""tokenmill serve | generate | chat | pull | models | bench | eval"""
+"""tokenmill serve | generate | chat | pull | models | bench | eval | export"""
 
 from __future__ import annotations
 
@@ -385,6 +385,15 @@ def cmd_serve(args) -> int:
     return run_server(args)
 
 
+def cmd_export_onnx(args) -> int:
+    from tokenmill.export.onnx import export_onnx
+    from tokenmill.llm import _configure_logging
+
+    _configure_logging()
+    print(export_onnx(args.model, args.out_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -422,6 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.eval import add_eval_parser
 
     add_eval_parser(sub, add_engine_args, engine_kwargs)
+
+    p = sub.add_parser("export", help="write a model in another format")
+    formats = p.add_subparsers(dest="export_format", required=True)
+    q = formats.add_parser("onnx", help="an ONNX decoder graph with KV-cache inputs and outputs, in the layout of "
+                                        "Hugging Face Optimum's exports (opset 14, float32), with its config.json "
+                                        "and tokenizer files")
+    q.add_argument("model", help="HF model folder, .gguf file (quantized weights are dequantized) or known name")
+    q.add_argument("out_dir", help="folder to write model.onnx, config.json and the tokenizer files into")
+    q.set_defaults(func=cmd_export_onnx)
     return parser
 
 

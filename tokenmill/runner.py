@@ -236,7 +236,7 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        starts, seq_lens, query_start = [], [], [0]
+        starts, seq_lens, query_start, request_lens = [], [], [0], []
         # Any single-token query (decode, or a one-token chunk) takes the batched path; so does each token
         # of a decode with proposals, as a row of its own whose context ends at its position.
         decode_tables: list[list[int]] = []
@@ -247,6 +247,7 @@ class ModelRunner:
             ids.extend(req.token_ids(start, end - len(s.spec_token_ids)) + s.spec_token_ids)
             slots.extend(self._slot(req, p) for p in range(start, end))
             pos.extend(range(start, end))
+            request_lens.extend([req.num_tokens] * (end - start))
             if _decode_like(s):
                 seq_lens.extend(range(start + 1, end + 1))
                 query_start.extend(range(query_start[-1] + 1, len(ids) + 1))
@@ -271,6 +272,7 @@ class ModelRunner:
             block_tables=[None] * num_decodes + [torch.tensor(s.request.block_ids, dtype=torch.long, device=dev)
                                                  for s in items if not _decode_like(s)],
             block_size=bs,
+            request_lens=torch.tensor(request_lens, dtype=torch.long, device=dev),
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, starts)

@@ -23,6 +23,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     block_tables: list[torch.Tensor]  # per request, its block ids (for the prefill path)
     block_size: int
+    # [num_tokens] how many tokens (prompt and output so far) each token's request holds, for models whose
+    # rotation of a token depends on it (LongRoPE). None: by position alone, right for each request's last token.
+    request_lens: torch.Tensor | None = None
     # Filled by a backend on the first layer and reused by the others (gather indices, masks).
     cache: dict = field(default_factory=dict)
 

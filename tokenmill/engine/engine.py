@@ -67,7 +67,8 @@ class LLMEngine:
                     str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else
                     f"{config.kv_cache_dtype}, a scale per token and KV head", self.max_model_len)
 
-        self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching,
+                                         getattr(self.model, "kv_recompute_length", None))
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype, config.seed,
@@ -228,7 +229,7 @@ class LLMEngine:
                 req.spec_draft = AdaptiveDraft(self.config.speculative_config.num_speculative_tokens)
             # Never past max_tokens or the context: the step keeps at most every proposal plus one.
             k = min(req.spec_draft.want(), req.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1, room)
+                    self.max_model_len - req.num_tokens - 1, self._steps_before_recompute(req) - 1, room)
             if k > 0:
                 wanted.append((req, k))
         # Called with none wanted too: a proposer with state of its own forgets finished requests there.
@@ -262,10 +263,19 @@ class LLMEngine:
             if s.num_new_tokens != 1 or not s.samples or needs_processing(req) or (
                     streaming and req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 return 1
-            steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+            steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,
+                        self._steps_before_recompute(req))
         if steps > 1 and all(self.kv_manager.allocate_slots(s.request, steps) for s in sched.scheduled):
             return steps
         return 1
+
+    def _steps_before_recompute(self, req) -> int:
+        """Decode steps the request may take before its keys and values must be recomputed (the scheduler
+        does that once it grows past the model's kv_recompute_length; a step cannot)."""
+        limit = self.kv_manager.recompute_length
+        if limit is None or req.num_tokens > limit:
+            return self.max_model_len
+        return limit + 1 - req.num_tokens
 
     def interrupt(self) -> None:
         """New work is waiting (any thread may call this): a running burst of decode steps ends after its

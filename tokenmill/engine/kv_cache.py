@@ -118,8 +118,12 @@ class BlockPool:
 class KVCacheManager:
     """Owns the block pool; gives each request its block table and finds cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 recompute_length: int | None = None) -> None:
         self.block_size = block_size
+        # The model's kv_recompute_length: the keys and values of sequences longer than this differ from those
+        # of shorter ones with the same tokens, so the two kinds share no cached blocks.
+        self.recompute_length = recompute_length
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self._pending: dict[int, BlockHash] = {}  # block id -> hash, registered for a step not yet finished
@@ -130,6 +134,8 @@ class KVCacheManager:
         """Hash every full block of the request's tokens not hashed yet."""
         bs = self.block_size
         salt = (req.sampling_params.cache_salt or "").encode()
+        if self.recompute_length is not None:  # a leading byte, so that no cache salt can imitate another kind
+            salt = (b"L" if req.num_tokens > self.recompute_length else b"S") + salt
         while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None

@@ -198,7 +198,8 @@ class Scheduler:
             else:
                 req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             self.kv.cache_computed_blocks(req)
-            if req.request_id in model_out.prompt_logprobs:
+            # A request recomputed after it grew past the model's kv_recompute_length has its prompt's already.
+            if req.request_id in model_out.prompt_logprobs and len(req.prompt_logprobs) < req.num_prompt_tokens:
                 req.prompt_logprobs.extend(model_out.prompt_logprobs[req.request_id])
             if not s.samples:
                 continue
@@ -215,7 +216,22 @@ class Scheduler:
             changed.append(req)
             if req.is_finished:
                 self._free(req)
+            elif self.kv.recompute_length is not None and req.num_tokens == self.kv.recompute_length + 1:
+                self._recompute(req)
         return changed
+
+    def _recompute(self, req: Request) -> None:
+        """The request just grew past the model's kv_recompute_length, so its keys and values are computed
+        again, as the longer sequence it now is (the engine keeps its steps from going past that length
+        before this): its blocks are freed, and it goes to the front of the queue, where it may find blocks
+        of sequences of its kind in the prefix cache."""
+        self.kv.free(req)
+        req.block_hashes = []
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
 
     def _advance_grammar(self, req: Request, token: int) -> None:
         """Move the request's grammar past the token; a grammar that has reached its end (it accepted a

@@ -6,7 +6,8 @@
 //   request's block table (no gather into a copy). The cache holds values in the activations' type, or
 //   8-bit codes (int8, fp8 e4m3) with a scale per token and KV head, read in place.
 // - FusedDecoderF32 / FusedDecoderBF16: a whole decode step of a decoder as model/description.py
-//   describes it (norms, projections, rotary, cache write, attention, SwiGLU or GeGLU, residuals; Gemma's
+//   describes it (norms, projections, rotary of all or the leading dims of each head, cache write,
+//   attention, SwiGLU or GeGLU, residuals; Gemma's
 //   extra norms, per-layer rope tables and softcaps) in one call, so that the hundreds of small per-layer
 //   tensor operations cost no Python dispatch. Activations, residual stream and KV cache
 //   are in the model's dtype (bf16 values rounded where the eager model rounds them); each weight matrix
@@ -866,10 +867,11 @@ void softcap_rows(T* y, int64_t n, float cap) {
   }
 }
 
-// Non-interleaved rotary embedding of one head in place; cos and sin hold D values (both halves).
+// Non-interleaved rotary embedding of the first R dims of one head in place (the rest are left as they are:
+// partial rotary); cos and sin hold R values (both halves).
 template <typename T>
-void rotate(T* v, const T* cos, const T* sin, int64_t D) {
-  const int64_t half = D / 2;
+void rotate(T* v, const T* cos, const T* sin, int64_t R) {
+  const int64_t half = R / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float a = to_float(v[i]), b = to_float(v[i + half]);
     v[i] = from_float<T>(a * to_float(cos[i]) - b * to_float(sin[i]));
@@ -1278,9 +1280,9 @@ class FusedDecoder {
   static constexpr auto kDtype = kIsFloat<T> ? torch::kFloat : torch::kBFloat16;
 
   // embed, head: the token embedding [vocab, hidden] and the output layer [vocab', hidden] (the same
-  // parts where they are tied), as matrix parts; cos, sin [positions, head_dim] float32: the rotary
+  // parts where they are tied), as matrix parts; cos, sin [positions, rotary_dim] float32: the rotary
   // tables (rounded to T as the eager model rounds them), table 0 of those add_rope adds (for layers that
-  // differ in rope; add_layer's `rope`). The rest is the architecture's description (model/description.py):
+  // differ in rope; add_layer's `rope`); the first rotary_dim (even, at most head_dim) dims of each head rotate. The rest is the architecture's description (model/description.py):
   // norms scale by (norm_offset + w); the MLP's activation (Activation); embeddings are multiplied by
   // embed_scale (already in T's precision); attention and output logits are soft-capped where their cap > 0.
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
@@ -1297,6 +1299,8 @@ class FusedDecoder {
     TORCH_CHECK(head_dim_ok(D_), kHeadDims);
     TORCH_CHECK(H_ % KVH_ == 0, "heads must be a multiple of KV heads");
     TORCH_CHECK(bs_ >= 1, "block_size must be at least 1");
+    R_ = cos.dim() == 2 ? cos.size(1) : 0;
+    TORCH_CHECK(R_ > 0 && R_ <= D_ && R_ % 2 == 0, "cos, sin: [positions, rotary_dim], rotary_dim even and at most head_dim");
     TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.scalar_type() == kDtype, "final_norm: [hidden] in the decoder's dtype");
     hidden_ = final_norm_.size(0);
     embed_ = make_matrix<T>(embed, hidden_, "embed");
@@ -1305,12 +1309,12 @@ class FusedDecoder {
     add_rope(cos, sin);
   }
 
-  // Adds a rotary table (cos, sin: float32 [positions, head_dim], as many positions as table 0); returns
+  // Adds a rotary table (cos, sin: float32 [positions, rotary_dim], as many positions as table 0); returns
   // its index, for add_layer's `rope`.
   int64_t add_rope(torch::Tensor cos, torch::Tensor sin) {
     cos = cos.contiguous(), sin = sin.contiguous();
-    TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == D_,
-                "cos, sin: float32 [positions, head_dim]");
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == R_,
+                "cos, sin: float32 [positions, rotary_dim]");
     TORCH_CHECK(cos_.empty() || cos.size(0) == positions(), "every rotary table covers the same positions");
     cos_.push_back(cos);
     sin_.push_back(sin);
@@ -1448,7 +1452,7 @@ class FusedDecoder {
     const int64_t* bt;    // [B, nb]
     int64_t nb;
     const int64_t* lens;  // [B]
-    T* cos;               // [tables, B, head_dim], filled by begin_step
+    T* cos;               // [tables, B, rotary_dim], filled by begin_step
     T* sin;
   };
 
@@ -1473,8 +1477,8 @@ class FusedDecoder {
     check_bounds(in.slot, in.bt, in.lens, 0);
     const auto opts = torch::TensorOptions().dtype(kDtype);
     in.x = torch::empty({B, hidden_}, opts);
-    in.cos = torch::empty({(int64_t)cos_.size(), B, D_}, opts);
-    in.sin = torch::empty({(int64_t)cos_.size(), B, D_}, opts);
+    in.cos = torch::empty({(int64_t)cos_.size(), B, R_}, opts);
+    in.sin = torch::empty({(int64_t)cos_.size(), B, R_}, opts);
     in.step = {B, longs(in.slot), longs(in.bt), in.bt.size(1),
                longs(in.lens), data_mut(in.cos), data_mut(in.sin)};
     begin_step(in.step, longs(in.ids), longs(in.pos), data_mut(in.x));
@@ -1494,11 +1498,11 @@ class FusedDecoder {
       if (embed_scale_ != 1.f)
         for (int64_t k = 0; k < hidden_; ++k) xb[k] = from_float<T>(to_float(xb[k]) * embed_scale_);
       for (int64_t r = 0; r < tables; ++r) {
-        const float* cos_row = floats(cos_[r]) + p * D_;
-        const float* sin_row = floats(sin_[r]) + p * D_;
-        for (int64_t d = 0; d < D_; ++d) {
-          s.cos[(r * s.B + b) * D_ + d] = from_float<T>(cos_row[d]);
-          s.sin[(r * s.B + b) * D_ + d] = from_float<T>(sin_row[d]);
+        const float* cos_row = floats(cos_[r]) + p * R_;
+        const float* sin_row = floats(sin_[r]) + p * R_;
+        for (int64_t d = 0; d < R_; ++d) {
+          s.cos[(r * s.B + b) * R_ + d] = from_float<T>(cos_row[d]);
+          s.sin[(r * s.B + b) * R_ + d] = from_float<T>(sin_row[d]);
         }
       }
     }
@@ -1622,10 +1626,10 @@ class FusedDecoder {
       rms_norm_rows(qb, data(*L.q_norm), qb, H_, D_, eps_, norm_offset_);
       rms_norm_rows(kb, data(*L.k_norm), kb, KVH_, D_, eps_, norm_offset_);
     }
-    const T* cb = s.cos + (L.rope * s.B + b) * D_;
-    const T* sb = s.sin + (L.rope * s.B + b) * D_;
-    for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, D_);
-    for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, D_);
+    const T* cb = s.cos + (L.rope * s.B + b) * R_;
+    const T* sb = s.sin + (L.rope * s.B + b) * R_;
+    for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, R_);
+    for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, R_);
     std::memcpy(q + b * QS, qb, QS * sizeof(T));
     const int64_t slot = s.slot[b];
     if (L.code == KVCode::kPlain) {
@@ -1884,7 +1888,8 @@ class FusedDecoder {
   int64_t bs_;
   int64_t cache_slots_ = 0;  // the fewest slots of any layer's cache
   torch::Tensor final_norm_;
-  std::vector<torch::Tensor> cos_, sin_;  // the rotary tables, each [positions, head_dim]
+  std::vector<torch::Tensor> cos_, sin_;  // the rotary tables, each [positions, rotary_dim]
+  int64_t R_;  // rotary_dim: the leading dims of each head that rotate
   int64_t positions() const { return cos_[0].size(0); }
   float norm_offset_;
   Activation activation_;

@@ -1,5 +1,6 @@
 """A decoder-only architecture described as data: sizes, and the switches in which the supported families
-differ (norm kind, activation, extra norms, rope and window per layer, softcaps, embedding scale).
+differ (norm kind, activation, extra norms, rope and window per layer, partial rotary, softcaps, embedding
+scale).
 
 The module-by-module decoder (llama.py) and the fused CPU decode step (kernels/cpu_kernels.cpp) both read
 this one description, so a new family is a new way of filling it in, not a new decoder.
@@ -7,7 +8,10 @@ this one description, so a new family is a new way of filling it in, not a new d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from tokenmill.model.rotary import rope_type_of
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU, GeGLU (tanh-approximated GELU)
 
@@ -56,6 +60,7 @@ class DecoderConfig:
     final_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
     ropes: list[RopeSpec] = field(default_factory=list)  # the distinct rotary embeddings; [] : one from rope_theta
     layer_ropes: list[int] = field(default_factory=list)  # per layer: its index in ropes; [] : all 0
+    rotary_dim: int | None = None  # the leading dims of each head that rotate (partial rotary); None: head_dim
 
     def __post_init__(self) -> None:
         if self.attn_scale is None:
@@ -64,6 +69,10 @@ class DecoderConfig:
             self.ropes = [RopeSpec(self.rope_theta, self.rope_scaling)]
         if not self.layer_ropes:
             self.layer_ropes = [0] * self.num_layers
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         if len(self.layer_ropes) != self.num_layers or not all(0 <= i < len(self.ropes) for i in self.layer_ropes):
@@ -79,10 +88,16 @@ class DecoderConfig:
         rope_theta = c.get("rope_theta")
         # Newer configs keep rope settings under rope_parameters.
         params = c.get("rope_parameters")
+        partial = c.get("partial_rotary_factor", 1.0)
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
+            partial = params.get("partial_rotary_factor", partial)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        if rope_type_of(rope_scaling) in ("longrope", "su"):
+            rope_scaling = longrope_scaling(rope_scaling, c)
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        switches.setdefault("rotary_dim", int(head_dim * partial))
         return cls(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -90,7 +105,7 @@ class DecoderConfig:
             num_layers=c["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
@@ -103,6 +118,24 @@ class DecoderConfig:
             layer_windows=layer_windows(c, per_layer_windows),
             **switches,
         )
+
+
+def longrope_scaling(scaling: dict, c: dict) -> dict:
+    """A LongRoPE scaling dict completed as transformers completes it: original_max_position_embeddings from
+    the config's top level where it is there (else the dict's, else max_position_embeddings); factor
+    max_position_embeddings / original where not given; attention_factor sqrt(1 + ln(factor) / ln(original))
+    where not given (1 for factors up to 1)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ValueError(f"LongRoPE rope scaling needs a {key} list, got {scaling.get(key)!r}")
+    original = (c.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                or c.get("max_position_embeddings", 4096))
+    factor = scaling.get("factor") or c.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": int(original),
+            "factor": factor, "attention_factor": attention}
 
 
 def layer_windows(c: dict, per_layer: bool = True) -> list[int | None]:

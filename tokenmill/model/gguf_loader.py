@@ -15,7 +15,8 @@ from tokenmill.model import gguf_tokenizer
 logger = logging.getLogger("tokenmill")
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+          "phi3": "Phi3ForCausalLM"}
 _GEMMA = ("gemma2", "gemma3")
 
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
@@ -28,9 +29,18 @@ _LAYER_NAMES = {
 # Gemma's four norms a layer: ffn_norm is the norm before the MLP, post_attention_norm the attention output's.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's merged projections: q/k/v in one attn_qkv, gate and up in one ffn_up (gate first), as its checkpoints.
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_PHI3_MERGED = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Not weights: llama.cpp's Llama 3 rope frequency factors, read into the config (read_config).
-_NOT_WEIGHTS = ("rope_freqs.weight",)
+# Not weights: llama.cpp's Llama 3 rope frequency factors and Phi-3's LongRoPE factors, read into the config.
+_NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _layer_names(arch: str) -> dict[str, str]:
+    """GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.) in files of `arch`."""
+    return _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
 
 
 @dataclass(slots=True)
@@ -167,13 +177,46 @@ def read_config(reader: GGUFFile) -> dict:
         config["rope_scaling"] = {"rope_type": "freq_factors", "factors": _rope_freq_factors(reader)}
     if arch in _GEMMA:
         config.update(_gemma_config(g, config))
+    if arch == "phi3":
+        config.update(_phi3_config(reader, g, config))
     return config
 
 
+def _phi3_config(reader: GGUFFile, g, config: dict) -> dict:
+    """The Phi-3-only entries of an HF config from a phi3 GGUF: partial rotary from rope.dimension_count,
+    LongRoPE from the rope_factors_long / rope_factors_short tensors and the rope.scaling keys."""
+    out = {"original_max_position_embeddings": g("rope.scaling.original_context_length")
+           or config["max_position_embeddings"]}
+    dims = g("rope.dimension_count")
+    if dims:
+        factor = dims / config["head_dim"]
+        # The description takes int(head_dim * factor) dims, as transformers does: keep that product whole.
+        out["partial_rotary_factor"] = factor if int(config["head_dim"] * factor) == dims else \
+            (dims + 0.5) / config["head_dim"]
+    names = {t.name for t in reader.tensors}
+    factors = {k: f"rope_factors_{k}.weight" for k in ("short", "long")}
+    present = [k for k, n in factors.items() if n in names]
+    if len(present) == 1:
+        raise ValueError(f"GGUF file has {factors[present[0]]!r} but not the other LongRoPE factors tensor; "
+                         "LongRoPE needs both")
+    if present:
+        out["rope_scaling"] = {"rope_type": "longrope", "short_factor": _tensor_values(reader, factors["short"]),
+                               "long_factor": _tensor_values(reader, factors["long"]),
+                               "original_max_position_embeddings": out["original_max_position_embeddings"]}
+        if g("rope.scaling.attn_factor") is not None:
+            out["rope_scaling"]["attention_factor"] = g("rope.scaling.attn_factor")
+    return out
+
+
 def _rope_freq_factors(reader: GGUFFile) -> list[float]:
+    return _tensor_values(reader, "rope_freqs.weight")
+
+
+def _tensor_values(reader: GGUFFile, name: str) -> list[float]:
+    """A small tensor's values, as a flat list of floats."""
     from gguf.quants import dequantize
 
-    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    t = next(t for t in reader.tensors if t.name == name)
     return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()
 
 
@@ -209,7 +252,7 @@ def _hf_name(name: str, arch: str) -> str:
     m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
     if m:
         layer, part, kind = m.groups()
-        names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+        names = _layer_names(arch)
         if part not in names:
             raise ValueError(f"GGUF tensor {name!r} is not understood")
         return f"model.layers.{layer}.{names[part]}.{kind}"
@@ -224,7 +267,9 @@ def gguf_name(hf: str, arch: str) -> str:
     m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
     if m:
         layer, part, kind = m.groups()
-        names = {v: k for k, v in (_GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES).items()}
+        names = {v: k for k, v in _layer_names(arch).items()}
+        if arch == "phi3":  # the parts of a merged projection: its converter writes them as one tensor
+            names.update({p: merged for merged, parts in _PHI3_MERGED.items() for p in parts})
         return f"blk.{layer}.{names.get(part, part)}.{kind}"
     base, _, kind = hf.rpartition(".")
     top = {v: k for k, v in _TOP_NAMES.items()}

@@ -1,8 +1,6 @@
-"""Building blocks shared by the decoder models: norm, rotary embedding, MLP, fused linear layers."""
+"""Building blocks shared by the decoder models: norm, MLP, fused linear layers (rotary embeddings: rotary.py)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -32,63 +30,6 @@ class RMSNorm(nn.Module):
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(x / cap) (Gemma's logit soft-capping), or x where cap is None."""
     return x if cap is None else torch.tanh(x / cap) * cap
-
-
-def _rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor for the configured rope type."""
-    # On the CPU whatever the default device: under "meta" (models are built there) these ops would go
-    # through torch's Python reference implementations, which import the compiler stack (~150 MiB resident).
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"], 1.0
-    if rope_type == "freq_factors":  # GGUF's rope_freqs: llama3 scaling as one divisor per frequency
-        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device=inv_freq.device)
-        if factors.shape != inv_freq.shape:
-            raise ValueError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} frequencies")
-        return inv_freq / factors, 1.0
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3, "
-                     "freq_factors)")
-
-
-class RotaryEmbedding(nn.Module):
-    """Non-interleaved (GPT-NeoX style) rotary embedding with a precomputed cos/sin table."""
-
-    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None) -> None:
-        super().__init__()
-        inv_freq, attn_factor = _rope_inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attn_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attn_factor, persistent=False)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for the positions, once per forward pass (every layer shares them)."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [T, H, D], k: [T, KVH, D]; cos, sin: [T, 1, D]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class _QuantizableLinear(nn.Module):
@@ -129,6 +70,10 @@ class _QuantizableLinear(nn.Module):
         return [(p.data, p.qtype) for p in self.qparts]
 
     def load_quantized(self, index: int, qweight) -> None:
+        if len(self.out_sizes) > 1 and qweight.shape == (sum(self.out_sizes), self.in_features):
+            self._qparts = [qweight]  # a merged projection stored whole (Phi-3's attn_qkv, ffn_up)
+            self.qweight = qweight
+            return
         if qweight.shape != (self.out_sizes[index], self.in_features):
             raise ValueError(f"checkpoint tensor has shape {qweight.shape}, expected "
                              f"{(self.out_sizes[index], self.in_features)}")

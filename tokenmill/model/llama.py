@@ -1,4 +1,4 @@
-"""The Llama decoder, which Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 reuse through their descriptions."""
+"""The Llama decoder, which Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 reuse through their descriptions."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tokenmill.attention import kv_format
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.description import ACTIVATIONS, DecoderConfig, layer_windows  # noqa: F401 (re-export)
-from tokenmill.model.layers import (Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
-                                    softcap)
+from tokenmill.model.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, softcap
+from tokenmill.model.rotary import RotaryEmbedding, apply_rotary
 
 logger = logging.getLogger("tokenmill")
 
@@ -103,8 +103,15 @@ class LlamaForCausalLM(nn.Module):
     def make_rotaries(self, max_positions: int) -> nn.ModuleList:
         """The rotary tables (one per distinct rope of the description) for positions below max_positions."""
         cfg = self.config
-        return nn.ModuleList(RotaryEmbedding(cfg.head_dim, max(max_positions, 1), r.theta, r.scaling)
+        return nn.ModuleList(RotaryEmbedding(cfg.rotary_dim, max(max_positions, 1), r.theta, r.scaling)
                              for r in cfg.ropes)
+
+    @property
+    def kv_recompute_length(self) -> int | None:
+        """A sequence longer than this computes its keys and values differently (LongRoPE's long factors,
+        rotary.py): the engine recomputes a request that grows past it. None: no such length."""
+        switches = [r.switch for r in self.rotaries if r.switch is not None]
+        return min(switches) if switches else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -116,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids, self.norm.weight.dtype)
         if self.config.embed_scale != 1.0:
             x = x * self.embed_scale(x.dtype)
-        ropes = [r.lookup(positions, x.dtype) for r in self.rotaries]
+        ropes = [r.lookup(positions, x.dtype, meta.request_lens) for r in self.rotaries]
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, ropes, kv, meta)
         return self.norm(x)
@@ -155,8 +162,13 @@ class LlamaForCausalLM(nn.Module):
     def _build_fused_decoder(self, kv_caches: list, block_size: int):
         kernels = cpu_kernels.load()
         cfg = self.config
-        if kernels is None or not cpu_kernels.head_dim_ok(cfg.head_dim) or \
+        if kernels is None:
+            return None
+        if not cpu_kernels.head_dim_ok(cfg.head_dim) or \
                 any(n % 32 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
+            logger.info("the fused decode step takes head_dim a multiple of 16 up to 128 or 256, and sizes that are "
+                        "multiples of 32 (this model: head_dim %d, hidden %d, intermediate %d): decode steps run "
+                        "module by module", cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
             return None
 
         def t(module, name="weight"):  # the parameter (shared storage, not a copy), or None
@@ -166,14 +178,15 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.norm.weight.dtype
         decoder = kernels.FusedDecoderBF16 if dtype == torch.bfloat16 else kernels.FusedDecoderF32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        first, *more = self.rotaries
+        # A decode step holds each request's last token, whose rotary row goes by position.
+        first, *more = (r.position_tables() for r in self.rotaries)
         fused = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
                         cfg.attn_scale, block_size, t(self.norm), self.embed_tokens.fused_parts(),
-                        head.fused_parts(), first.cos.float(), first.sin.float(), norm_offset=cfg.norm_offset,
+                        head.fused_parts(), *first, norm_offset=cfg.norm_offset,
                         activation=ACTIVATIONS.index(cfg.activation), embed_scale=self.embed_scale(dtype),
                         attn_softcap=cfg.attn_softcap or 0.0, final_softcap=cfg.final_softcap or 0.0)
-        for rotary in more:
-            fused.add_rope(rotary.cos.float(), rotary.sin.float())
+        for tables in more:
+            fused.add_rope(*tables)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
             sandwich = layer.sandwich
@@ -219,23 +232,25 @@ class LlamaForCausalLM(nn.Module):
     def _checkpoint_names(self) -> set[str]:
         """The Hugging Face names (without "model.") of the tensors a checkpoint must hold for this model:
         each part of a merged projection under its own name."""
-        unstacked: dict[str, list[str]] = {}  # merged module name part -> its checkpoint name parts
-        for part, (fused, _) in self._STACKED.items():
-            unstacked.setdefault(fused, []).append(part)
         names = set()
         for module_name, module in self.named_modules():
             if not hasattr(module, "weight"):
                 continue
-            prefix, _, leaf = module_name.rpartition(".")
             for kind in ("weight", "bias"):
                 if getattr(module, kind, None) is None and not (kind == "weight" and getattr(module, "quantized", False)):
                     continue
-                for part in unstacked.get(leaf, [leaf]):
-                    names.add(f"{prefix}.{part}.{kind}" if prefix else f"{part}.{kind}")
+                names.update(self._parts_of(f"{module_name}.{kind}"))
         return names
 
+    def _parts_of(self, name: str) -> list[str]:
+        """The checkpoint names of the parts of a merged projection's tensor (itself where it is not one)."""
+        parts = name.split(".")
+        unstacked = [part for part, (fused, _) in self._STACKED.items() if len(parts) >= 2 and fused == parts[-2]]
+        return [".".join(parts[:-2] + [part, parts[-1]]) for part in unstacked] or [name]
+
     def load_weights(self, weights) -> None:
-        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters; quantized weights
+        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters, each part of a merged
+        projection on its own or the merged tensor whole (Phi-3's qkv_proj, gate_up_proj); quantized weights
         (QuantizedWeight) go to the modules quantize_weights() prepared for them. A checkpoint that lacks
         any tensor, a part of a merged projection included, raises MissingWeights."""
         params = dict(self.named_parameters())
@@ -253,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
                 if not getattr(module, "quantized", False):
                     raise ValueError(f"checkpoint tensor {name!r} is quantized but its layer was not prepared for it")
                 module.load_quantized(idx, tensor)
-                loaded.add(name)
+                loaded.update(self._parts_of(name))
                 continue
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, idx = self._STACKED[parts[-2]]
@@ -269,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             with torch.no_grad():
                 p.copy_(tensor)
-            loaded.add(name)
+            loaded.update(self._parts_of(name))
         missing = self._checkpoint_names() - loaded
         if missing:
             raise MissingWeights(sorted(n if n.startswith("lm_head.") else f"model.{n}" for n in missing))

@@ -112,7 +112,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     except MissingWeights as e:
         if reader is None:
             raise
-        names = [gguf_loader.gguf_name(n, reader.arch) for n in e.names]
+        names = list(dict.fromkeys(gguf_loader.gguf_name(n, reader.arch) for n in e.names))
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
         raise ValueError(f"{os.path.basename(path)} lacks tensor {names[0]!r}{more}: the file is incomplete or "
                          "was not written for this architecture") from None

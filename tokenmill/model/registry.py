@@ -6,6 +6,7 @@ from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mistral import MistralForCausalLM
+from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen2 import Qwen2ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
 
@@ -14,6 +15,7 @@ MODELS: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
