@@ -9,7 +9,7 @@ gguf = pytest.importorskip("gguf")
 from tokenmill.kernels import quant  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -34,7 +34,7 @@ def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
     """[n, bytes per row] of valid blocks: quantized from random floats where gguf can quantize the type,
     else random bytes with the float16 scales set to moderate values (every bit pattern of the rest is a
     valid block)."""
-    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05 + rng.uniform(-0.02, 0.02, (n, 1)).astype(np.float32)
         return gguf.quants.quantize(w, qtype)
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]

@@ -37,8 +37,9 @@ VARIANTS = {
     "Q4_0": lambda name: "Q8_0" if name.startswith("output") else "Q4_0",
     "Q4_1": lambda name: "Q4_1",
     "Q4_K_M": _q4_k_m,
-    # q and k in different formats (one merged projection, two kernels); Q5_0 has no kernel (dequantized)
-    "mixed": lambda name: {"attn_q": "Q4_0", "attn_k": "Q8_0", "ffn_up": "Q5_0"}.get(name.split(".")[-2], "Q4_1"),
+    # q, k and v in different formats (one merged projection, three kernels); MXFP4 has no kernel (dequantized)
+    "mixed": lambda name: {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
+                           "ffn_up": "MXFP4"}.get(name.split(".")[-2], "Q4_1"),
 }
 
 
@@ -234,11 +235,11 @@ def test_memory_is_the_files(quantized_files):
 def test_types_without_kernel_are_dequantized_and_said(quantized_files, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         llm = _engine(quantized_files["mixed"])
-    assert "no kernel for Q5_0: 2 tensors dequantized at load (e.g. blk.0.ffn_up.weight)" in caplog.text
+    assert "no kernel for MXFP4: 2 tensors dequantized at load (e.g. blk.0.ffn_up.weight)" in caplog.text
     gate_up = llm.engine.model.layers[0].mlp.gate_up_proj
     assert gate_up.qweight is None and gate_up.weight is not None  # up is float, so gate is dequantized too
     qkv = llm.engine.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.qweight, list) and [w.name for w in qkv.qweight] == ["Q4_0", "Q8_0", "Q4_1"]
+    assert isinstance(qkv.qweight, list) and [w.name for w in qkv.qweight] == ["Q4_0", "Q8_0", "Q5_1"]
 
 
 def _patch_tensor_info(src, dst, tensor: str, first_dim: int | None = None, qtype: int | None = None):

@@ -8,12 +8,15 @@
 //   - Dot<R>: the dot products of one weight row with R activation rows, vectorised with AVX-512 BW where
 //     the compiler targets it, and written portably otherwise.
 // Block layouts follow the GGUF specification (ggml's block_q8_0, block_q4_0, block_q4_1, block_q4_K,
-// block_q5_K, block_q6_K). The K formats are read as the file holds them. Rows of the 32-element formats
-// are repacked at load into the same bytes rearranged for the kernel (repack_row):
+// block_q5_K, block_q6_K, block_q5_0, block_q5_1). The K formats are read as the file holds them. Rows of the
+// 32-element formats are repacked at load into the same bytes rearranged for the kernel (repack_row):
 //   Q8_0  [nb float16 scales d] [nb x 32 int8]
 //   Q4_0  [nb float16 scales d] [quants]
 //   Q4_1  [nb float16 scales d] [nb float16 offsets m] [quants]
-// where the 4-bit quants of blocks 2p and 2p+1 share 32 bytes, byte i holding element i of the first
+//   Q5_0  [nb float16 scales d] [nb uint32 fifth bits] [quants]
+//   Q5_1  [nb float16 scales d] [nb float16 offsets m] [nb uint32 fifth bits] [quants]
+// (the fifth bits of a block: bit i for element i, as GGUF's qh) where the low 4 bits of blocks 2p and 2p+1
+// share 32 bytes, byte i holding element i of the first
 // block in its low nibble and element i of the second in its high nibble (so one 32-byte load splits into
 // 64 values in element order), and an odd last block keeps GGUF's 16 bytes (element j in the low nibble
 // of byte j, element j + 16 in its high nibble).
@@ -41,7 +44,21 @@
 namespace tmq {
 
 // GGML type ids (gguf.GGMLQuantizationType).
-enum Type : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// The 32-element formats of 4 or 5 bits (Q4_0, Q4_1, Q5_0, Q5_1): with an offset per block (w = d q + m) or a
+// fixed bias (w = d (q - 8), d (q - 16)); where a repacked row's parts start.
+inline bool has_min(int type) { return type == Q4_1 || type == Q5_1; }
+inline bool five_bits(int type) { return type == Q5_0 || type == Q5_1; }
+struct NibbleRow {
+  const uint16_t* d;   // [nb] scales
+  const uint16_t* m;   // [nb] offsets (has_min)
+  const uint32_t* qh;  // [nb] fifth bits (five_bits)
+  const uint8_t* qs;   // the low 4 bits, in pairs of blocks
+  NibbleRow(int type, const uint8_t* row, int64_t nb)
+      : d((const uint16_t*)row), m(d + nb), qh((const uint32_t*)(row + (has_min(type) ? 4 : 2) * nb)),
+        qs(row + ((has_min(type) ? 4 : 2) + (five_bits(type) ? 4 : 0)) * nb) {}
+};
 
 constexpr int QK = 32;    // the activation block, and the block of the 32-element formats
 constexpr int QKK = 256;  // the super-block of the K formats
@@ -93,6 +110,8 @@ inline bool format_of(int type, Format& f) {
     case Q8_0: f = {QK, 34}; return true;
     case Q4_0: f = {QK, 18}; return true;
     case Q4_1: f = {QK, 20}; return true;
+    case Q5_0: f = {QK, 22}; return true;
+    case Q5_1: f = {QK, 24}; return true;
     case Q4_K: f = {QKK, 144}; return true;
     case Q5_K: f = {QKK, 176}; return true;
     case Q6_K: f = {QKK, 210}; return true;
@@ -112,11 +131,15 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
       break;
     }
     case Q4_0:
-    case Q4_1: {
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
       const int64_t nb = K / QK;
-      const uint16_t* d = (const uint16_t*)row;
-      const uint16_t* m = type == Q4_1 ? d + nb : nullptr;
-      const uint8_t* qs = row + (type == Q4_1 ? 4 : 2) * nb;
+      const NibbleRow r(type, row, nb);
+      const uint16_t* d = r.d;
+      const uint16_t* m = has_min(type) ? r.m : nullptr;
+      const uint8_t* qs = r.qs;
+      const float bias = five_bits(type) ? 16.f : 8.f;
       for (int64_t b = 0; b < nb; ++b) {
         int q[32];
         if (b + 1 < nb || nb % 2 == 0) {  // one of a pair: low nibbles for the first, high for the second
@@ -126,8 +149,13 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
           const uint8_t* p = qs + (b / 2) * 32;
           for (int i = 0; i < 16; ++i) q[i] = p[i] & 0xF, q[i + 16] = p[i] >> 4;
         }
-        float db = fp16(d[b]), mb = m ? fp16(m[b]) : -8.f * db;
-        for (int i = 0; i < 32; ++i) y[b * 32 + i] = m ? db * q[i] + mb : db * (q[i] - 8);
+        if (five_bits(type)) {
+          uint32_t h;
+          std::memcpy(&h, r.qh + b, 4);
+          for (int i = 0; i < 32; ++i) q[i] |= ((h >> i) & 1) << 4;
+        }
+        float db = fp16(d[b]), mb = m ? fp16(m[b]) : 0.f;
+        for (int i = 0; i < 32; ++i) y[b * 32 + i] = m ? db * q[i] + mb : db * (q[i] - bias);
       }
       break;
     }
@@ -209,21 +237,37 @@ inline void dequantize_q8_0(const uint8_t* row, float* y, int64_t K) {
   }
 }
 
-// Q4_0: d (q - 8); Q4_1: d q + m. Pairs of blocks from one 32-byte load; an odd last block as GGUF holds it.
-template <bool HAS_MIN>
+// 32 bytes: byte i is 16 where bit i of h is set, else 0 (a block's fifth bits, in the place they take in q).
+inline __m256i fifth_bits(const uint32_t* h) {
+  uint32_t v;
+  std::memcpy(&v, h, 4);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i of the result: byte i / 8 of v
+      _mm256_set1_epi32((int)v), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// Q4_0: d (q - 8); Q4_1: d q + m; Q5_0: d (q - 16); Q5_1: d q + m, with q's fifth bit. Pairs of blocks from one
+// 32-byte load; an odd last block as GGUF holds it.
+template <bool HAS_MIN, bool FIVE>
 inline void dequantize_q4_01(const uint8_t* row, float* y, int64_t K) {
   const int64_t nb = K / QK;
-  const uint16_t* d = (const uint16_t*)row;
-  const uint16_t* m = d + nb;
-  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
-  const __m512 eight = _mm512_set1_ps(8.f), zero = _mm512_setzero_ps();
+  const NibbleRow r(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
+  const uint16_t* d = r.d;
+  const uint16_t* m = r.m;
+  const uint8_t* qs = r.qs;
+  const __m512 bias = _mm512_set1_ps(FIVE ? 16.f : 8.f), zero = _mm512_setzero_ps();
   auto block = [&](int64_t b, __m128i lo16, __m128i hi16) {  // elements 0-15 and 16-31 of block b
     const __m512 db = _mm512_set1_ps(fp16(d[b]));
     const __m512 mb = HAS_MIN ? _mm512_set1_ps(fp16(m[b])) : zero;
+    if (FIVE) {
+      const __m256i h = fifth_bits(r.qh + b);
+      lo16 = _mm_or_si128(lo16, _mm256_castsi256_si128(h)), hi16 = _mm_or_si128(hi16, _mm256_extracti128_si256(h, 1));
+    }
     float* yb = y + b * QK;
     for (int c = 0; c < 2; ++c) {
       __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c ? hi16 : lo16));
-      _mm512_storeu_ps(yb + 16 * c, HAS_MIN ? _mm512_add_ps(_mm512_mul_ps(db, q), mb) : _mm512_mul_ps(db, _mm512_sub_ps(q, eight)));
+      _mm512_storeu_ps(yb + 16 * c, HAS_MIN ? _mm512_add_ps(_mm512_mul_ps(db, q), mb) : _mm512_mul_ps(db, _mm512_sub_ps(q, bias)));
     }
   };
   const __m128i m4 = _mm_set1_epi8(0xF);
@@ -306,8 +350,10 @@ inline void dequantize_row(int type, const uint8_t* row, float* y, int64_t K) {
 #ifdef TM_QUANT_AVX512
   switch (type) {
     case Q8_0: return dequantize_q8_0(row, y, K);
-    case Q4_0: return dequantize_q4_01<false>(row, y, K);
-    case Q4_1: return dequantize_q4_01<true>(row, y, K);
+    case Q4_0: return dequantize_q4_01<false, false>(row, y, K);
+    case Q4_1: return dequantize_q4_01<true, false>(row, y, K);
+    case Q5_0: return dequantize_q4_01<false, true>(row, y, K);
+    case Q5_1: return dequantize_q4_01<true, true>(row, y, K);
     case Q4_K: return dequantize_q45_k<false>(row, y, K);
     case Q5_K: return dequantize_q45_k<true>(row, y, K);
     case Q6_K: return dequantize_q6_k(row, y, K);
@@ -370,29 +416,29 @@ inline void dequantize_bf16_q8_0(const uint8_t* row, uint16_t* y, int64_t K) {
   }
 }
 
-template <bool HAS_MIN>
+template <bool HAS_MIN, bool FIVE>
 inline void dequantize_bf16_q4_01(const uint8_t* row, uint16_t* y, int64_t K) {
   const int64_t nb = K / QK;
-  const uint16_t* d = (const uint16_t*)row;
-  const uint16_t* m = d + nb;
-  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
+  const NibbleRow r(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
   const __m256i m4 = _mm256_set1_epi8(0xF);
   // Q4_0: d q - 8 d, equal to the float path's d (q - 8): every product here is exact in float32 (an 11-bit
-  // scale times a 4-bit integer), so the difference is too. Q4_1: d q + m, as the float path.
+  // scale times a 4- or 5-bit integer), so the difference is too (Q5_0: d q - 16 d). Q4_1, Q5_1: d q + m.
   auto table = [&](int64_t b) {
-    const float db = fp16(d[b]);
-    return HAS_MIN ? table16(db, fp16(m[b]), false) : table16(db, 8.f * db, true);
+    const float db = fp16(r.d[b]), bias = FIVE ? 16.f : 8.f;
+    const float off = HAS_MIN ? fp16(r.m[b]) : bias * db;
+    return FIVE ? table32(db, off, !HAS_MIN) : table16(db, off, !HAS_MIN);
   };
+  auto five = [&](__m256i idx, int64_t b) { return FIVE ? _mm256_or_si256(idx, fifth_bits(r.qh + b)) : idx; };
   for (int64_t b = 0; b + 1 < nb; b += 2) {
-    const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + (b / 2) * 32));
-    store_lookup(y + b * QK, _mm256_and_si256(q, m4), table(b));
-    store_lookup(y + (b + 1) * QK, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), table(b + 1));
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(r.qs + (b / 2) * 32));
+    store_lookup(y + b * QK, five(_mm256_and_si256(q, m4), b), table(b));
+    store_lookup(y + (b + 1) * QK, five(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), b + 1), table(b + 1));
   }
   if (nb % 2) {  // the odd last block, GGUF's nibble order
-    const __m128i q = _mm_loadu_si128((const __m128i*)(qs + (nb / 2) * 32)), m = _mm_set1_epi8(0xF);
+    const __m128i q = _mm_loadu_si128((const __m128i*)(r.qs + (nb / 2) * 32)), m = _mm_set1_epi8(0xF);
     const __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)),
                                                 _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
-    store_lookup(y + (nb - 1) * QK, idx, table(nb - 1));
+    store_lookup(y + (nb - 1) * QK, five(idx, nb - 1), table(nb - 1));
   }
 }
 
@@ -441,8 +487,10 @@ inline void dequantize_row_bf16(int type, const uint8_t* row, uint16_t* y, int64
 #ifdef TM_QUANT_AVX512
   switch (type) {
     case Q8_0: return dequantize_bf16_q8_0(row, y, K);
-    case Q4_0: return dequantize_bf16_q4_01<false>(row, y, K);
-    case Q4_1: return dequantize_bf16_q4_01<true>(row, y, K);
+    case Q4_0: return dequantize_bf16_q4_01<false, false>(row, y, K);
+    case Q4_1: return dequantize_bf16_q4_01<true, false>(row, y, K);
+    case Q5_0: return dequantize_bf16_q4_01<false, true>(row, y, K);
+    case Q5_1: return dequantize_bf16_q4_01<true, true>(row, y, K);
     case Q4_K: return dequantize_bf16_q45_k<false>(row, y, K);
     case Q5_K: return dequantize_bf16_q45_k<true>(row, y, K);
     case Q6_K: return dequantize_bf16_q6_k(row, y, K);
@@ -459,18 +507,21 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
   Format f;
   format_of(type, f);
   const int64_t nb = K / f.block;
-  if (type != Q8_0 && type != Q4_0 && type != Q4_1) {
+  if (type != Q8_0 && f.block != QK) {
     std::memcpy(out, in, nb * f.bytes);
     return;
   }
-  const int hdr = type == Q4_1 ? 4 : 2;  // scale (and offset) bytes at the start of a GGUF block
+  const bool min = has_min(type), five = five_bits(type);
+  const int hdr = 2 + (min ? 2 : 0) + (five ? 4 : 0);  // scale, offset and fifth-bit bytes of a GGUF block
   uint16_t* d = (uint16_t*)out;
-  uint16_t* m = type == Q4_1 ? d + nb : nullptr;
+  uint16_t* m = min ? d + nb : nullptr;
+  uint8_t* qh = out + (min ? 4 : 2) * nb;
   uint8_t* qs = out + hdr * nb;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = in + b * f.bytes;
     std::memcpy(&d[b], blk, 2);
     if (m) std::memcpy(&m[b], blk + 2, 2);
+    if (five) std::memcpy(qh + 4 * b, blk + (min ? 4 : 2), 4);
   }
   if (type == Q8_0) {
     for (int64_t b = 0; b < nb; ++b) std::memcpy(qs + b * 32, in + b * f.bytes + 2, 32);
@@ -654,19 +705,21 @@ inline void dot_q8_0_vnni(const uint8_t* row, const QRow* x, int64_t K, float* o
 
 // Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout: a pair of blocks per 32-byte load,
 // 16 blocks' scales and offsets as vectors.
-template <int R, bool HAS_MIN>
+template <int R, bool HAS_MIN, bool FIVE>
 inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
-  const uint16_t* dp = (const uint16_t*)row;
-  const uint16_t* mp = dp + nb;
-  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
+  const NibbleRow rw(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
+  const uint16_t* dp = rw.d;
+  const uint16_t* mp = rw.m;
+  const uint8_t* qs = rw.qs;
+  const float bias = FIVE ? -16.f : -8.f;
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += 16) {
     const int n = (int)std::min<int64_t>(16, nb - g);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
     __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
-    __m512 mv = HAS_MIN ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mp + g)) : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
+    __m512 mv = HAS_MIN ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mp + g)) : _mm512_mul_ps(dv, _mm512_set1_ps(bias));
     __m512 scale[R];
     for (int r = 0; r < R; ++r) {
       scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
@@ -674,6 +727,9 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
     }
     for (int k = 0; k < n / 2; ++k) {
       __m512i wv = nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g / 2 + k) * 32)));
+      if (FIVE)
+        wv = _mm512_or_si512(wv, _mm512_inserti64x4(_mm512_castsi256_si512(fifth_bits(rw.qh + g + 2 * k)),
+                                                    fifth_bits(rw.qh + g + 2 * k + 1), 1));
       for (int r = 0; r < R; ++r) {
         __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK));
         __m512 p = _mm512_cvtepi32_ps(dot4(wv, xv));
@@ -686,6 +742,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       const __m128i m4 = _mm_set1_epi8(0xF);
       __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
                                            _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+      if (FIVE) wv = _mm256_or_si256(wv, fifth_bits(rw.qh + b));
       for (int r = 0; r < R; ++r) {
         __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
@@ -831,19 +888,22 @@ inline void dot_q8_0_avx2(const uint8_t* row, const QRow* x, int64_t K, float* o
   for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
 }
 
-// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout (a pair of blocks per 32 bytes).
-template <int R, bool HAS_MIN>
+// Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m), Q5_0 (w = d (q - 16)) and Q5_1 (w = d q + m) in the repacked layout
+// (a pair of blocks' low 4 bits per 32 bytes).
+template <int R, bool HAS_MIN, bool FIVE>
 inline void dot_q4_01_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
-  const uint16_t* dp = (const uint16_t*)row;
-  const uint16_t* mp = dp + nb;
-  const uint8_t* qs = row + (HAS_MIN ? 4 : 2) * nb;
+  const NibbleRow rw(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
+  const uint16_t* dp = rw.d;
+  const uint16_t* mp = rw.m;
+  const uint8_t* qs = rw.qs;
   const __m256i m4 = _mm256_set1_epi8(0xF);
   __m256 acc[R];
   float off[R] = {};
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   auto block = [&](__m256i wv, int64_t b) {
-    const float d = fp16(dp[b]), m = HAS_MIN ? fp16(mp[b]) : -8.f * d;
+    if (FIVE) wv = _mm256_or_si256(wv, fifth_bits(rw.qh + b));
+    const float d = fp16(dp[b]), m = HAS_MIN ? fp16(mp[b]) : (FIVE ? -16.f : -8.f) * d;
     for (int r = 0; r < R; ++r) {
       const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_256(wv, xv)), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
@@ -871,8 +931,10 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
 #ifdef TM_QUANT_AVX2
   switch (type) {
     case Q8_0: return dot_q8_0_avx2<R>(row, x, K, out);
-    case Q4_0: return dot_q4_01_avx2<R, false>(row, x, K, out);
-    case Q4_1: return dot_q4_01_avx2<R, true>(row, x, K, out);
+    case Q4_0: return dot_q4_01_avx2<R, false, false>(row, x, K, out);
+    case Q4_1: return dot_q4_01_avx2<R, true, false>(row, x, K, out);
+    case Q5_0: return dot_q4_01_avx2<R, false, true>(row, x, K, out);
+    case Q5_1: return dot_q4_01_avx2<R, true, true>(row, x, K, out);
   }
 #endif
 #ifdef TM_QUANT_VNNI
@@ -881,8 +943,10 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
 #ifdef TM_QUANT_AVX512
   switch (type) {
     case Q8_0: return dot_q8_0<R>(row, x, K, out);
-    case Q4_0: return dot_q4_01<R, false>(row, x, K, out);
-    case Q4_1: return dot_q4_01<R, true>(row, x, K, out);
+    case Q4_0: return dot_q4_01<R, false, false>(row, x, K, out);
+    case Q4_1: return dot_q4_01<R, true, false>(row, x, K, out);
+    case Q5_0: return dot_q4_01<R, false, true>(row, x, K, out);
+    case Q5_1: return dot_q4_01<R, true, true>(row, x, K, out);
     case Q4_K: return dot_q45_k<R, false>(row, x, K, out);
     case Q5_K: return dot_q45_k<R, true>(row, x, K, out);
     case Q6_K: return dot_q6_k<R>(row, x, K, out);

@@ -86,7 +86,7 @@ struct Panel {
   void build(int type_, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K) {
     type = type_;
     blocks = K / QK;
-    offsets = type == Q4_1 || type == Q4_K || type == Q5_K;
+    offsets = has_min(type) || type == Q4_K || type == Q5_K;
     halves = type == Q6_K;
     tiles.resize(blocks * 512);
     if (rows < 16) std::fill(tiles.begin(), tiles.end(), 0);
@@ -114,18 +114,25 @@ struct Panel {
         });
         break;
       case Q4_0:
-      case Q4_1: {
-        const bool sub = type == Q4_0;  // Q4_0: q - 8, signed; Q4_1: q, with its offset m
+      case Q4_1:
+      case Q5_0:
+      case Q5_1: {
+        // Q4_0, Q5_0: q - 8, q - 16, signed; Q4_1, Q5_1: q, with its offset m
+        const bool sub = !has_min(type), five = five_bits(type);
+        const __m256i bias = five ? _mm256_set1_epi8(16) : eight;
         pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
-          const uint8_t* qs = r + (sub ? 2 : 4) * blocks + (bb / 2) * 32;
+          const NibbleRow nr(type, r, blocks);
+          const uint8_t* qs = nr.qs + (bb / 2) * 32;
           if (bb + 1 < blocks) {
             const __m256i q = _mm256_loadu_si256((const __m256i*)qs);
             l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) h = _mm256_or_si256(h, fifth_bits(nr.qh + bb + 1));
           } else {  // an odd last block, GGUF's nibble order
             const __m128i q = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0xF);
             l = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
           }
-          if (sub) l = _mm256_sub_epi8(l, eight), h = _mm256_sub_epi8(h, eight);
+          if (five) l = _mm256_or_si256(l, fifth_bits(nr.qh + bb));
+          if (sub) l = _mm256_sub_epi8(l, bias), h = _mm256_sub_epi8(h, bias);
         });
         break;
       }
@@ -175,8 +182,10 @@ struct Panel {
     switch (type) {
       case Q8_0:
       case Q4_0:
-      case Q4_1: {
-        const uint16_t* d = (const uint16_t*)r;
+      case Q4_1:
+      case Q5_0:
+      case Q5_1: {
+        const uint16_t* d = (const uint16_t*)r;  // then the offsets where the format has them (NibbleRow)
         int64_t b = 0;
         for (; b + 16 <= blocks; b += 16) {
           _mm512_storeu_ps(dw_row + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + b))));
