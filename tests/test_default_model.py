@@ -99,16 +99,22 @@ def test_gguf_reader_matches_the_gguf_package(default_gguf, tmp_path):
 
 
 def test_resident_memory_after_load_is_the_file_and_the_cache(default_gguf):
-    """In a fresh process: resident memory after loading is the file's bytes, the KV cache and at most 300 MiB
-    besides (Python, torch and the tokenizer); loading does not pull in torch's compiler stack."""
+    """In a fresh process: loading the model adds to resident memory the file's bytes, the KV cache and at most
+    160 MiB besides (the tokenizer, the engine's buffers, the libraries a load touches), and does not pull in
+    torch's compiler stack (~150 MiB). Measured as growth over the process after `import tokenmill`, since
+    Python's and torch's own footprint varies with the machine (~230 MiB here, more elsewhere)."""
     import subprocess
     import sys
 
     code = ("import gc, sys\nfrom tokenmill import LLM\n"
+            "def rss(): return next(int(l.split()[1]) for l in open('/proc/self/status') "
+            "if l.startswith('VmRSS')) * 1024\n"
+            "before = rss()\n"
             f"llm = LLM({default_gguf!r}, kv_cache_memory='64MiB')\ngc.collect()\n"
-            "rss = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')) * 1024\n"
-            "print(rss, 'torch._dynamo' in sys.modules)")
+            "print(before, rss(), 'torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    rss, dynamo = out.stdout.split()[-2:]
+    before, after, dynamo = out.stdout.split()[-3:]
     assert dynamo == "False"
-    assert int(rss) <= os.path.getsize(default_gguf) + (64 << 20) + (300 << 20), int(rss) >> 20
+    grown = int(after) - int(before)
+    assert grown <= os.path.getsize(default_gguf) + (64 << 20) + (160 << 20), \
+        f"load added {grown >> 20} MiB (process {int(before) >> 20} -> {int(after) >> 20} MiB)"
