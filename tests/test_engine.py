@@ -101,3 +101,19 @@ def test_generate_returns_input_order_and_metrics(llm):
     for o in outs:
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_generate_takes_vllm_prompt_dicts(llm):
+    """vLLM's prompt forms: {"prompt": text} and {"prompt_token_ids": ids}, alone or in a list, give what the
+    plain string and id list give; a dict with other keys is a clear error before any work."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    plain = llm.generate([PROMPTS[0], ids], sp)
+    dicts = llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], sp)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == PROMPTS[0] and dicts[1].prompt_token_ids == ids
+    one = llm.generate({"prompt_token_ids": ids}, sp)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {}}, sp)
+    assert not llm.engine.has_unfinished_requests()

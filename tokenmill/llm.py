@@ -38,10 +38,11 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+    def generate(self, prompts: str | dict | Sequence[int] | Sequence[str | dict] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Complete each prompt (a string or a list of token ids); outputs come back in input order."""
+        """Complete each prompt (a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids":
+        ...} dicts); outputs come back in input order."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -105,14 +106,28 @@ def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | No
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
+    """Prompts as strings or token-id lists. Takes vLLM's prompt forms: a string, a list of token ids, a dict
+    {"prompt": str} or {"prompt_token_ids": [ids]}, or a list of any of these."""
+    if isinstance(prompts, (str, dict)):
+        return [_as_prompt(prompts)]
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # one prompt of token ids
-    return prompts
+    return [_as_prompt(p) for p in prompts]
+
+
+def _as_prompt(prompt):
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt_token_ids"} or keys == {"prompt_token_ids", "prompt"}:
+        return list(prompt["prompt_token_ids"])
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (a list of ids); got keys "
+                     f"{sorted(keys)}")
 
 
 def _configure_logging() -> None:
