@@ -17,8 +17,9 @@ bandwidth here changes for minutes at a time):
   llama.cpp            llama-server (with --llama-server PATH), no speculation
   llama.cpp-ngram      llama-server --spec-type ngram-simple
 
-At each --batch size B, the prompts are sent B at a time (B concurrent requests) and the figure is the
-output tokens of all requests over the wall time of all of them (prefill included). Medians over rounds.
+At each --batch size B, the prompts are sent B at a time (B concurrent requests). Two figures, medians over
+rounds: output tokens of all requests over the wall time of all of them (prefill included), and the median
+request's decode rate (its tokens after the first over its time after the first: prefill left out).
 
     python benchmarks/spec_decode.py [MODEL] [--workload grounded] [--batch 1 8] [--rounds 2] \
         [--llama-server ~/.cache/tokenmill/llama.cpp/bin/llama-server] [--draft MODEL]
@@ -130,17 +131,35 @@ def commands(args, port: int) -> dict[str, list[str]]:
 
 
 def run_batch(url: str, model: str, conversations: list[list[dict]], batch: int, max_tokens: int) -> dict:
+    """Streams each answer: output tokens over the wall time of all (prefill included), and each request's
+    decode rate, its tokens after the first over the time after its first (prefill left out)."""
     def one(messages):
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        start, first, tokens = time.perf_counter(), None, 0
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    first = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        end = time.perf_counter()
+        decode = (tokens - 1) / (end - first) if first is not None and tokens > 1 and end > first else None
+        return tokens, decode, (first or end) - start
 
     start_t = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(batch) as pool:
-        tokens = sum(pool.map(one, conversations))
+        done = list(pool.map(one, conversations))
     wall = time.perf_counter() - start_t
-    return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+    tokens = sum(t for t, _, _ in done)
+    rates = [d for _, d, _ in done if d is not None]
+    return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "decode_tok_s": statistics.median(rates) if rates else float("nan"),
+            "ttft_s": statistics.median(f for _, _, f in done)}
 
 
 def main() -> None:
@@ -167,6 +186,7 @@ def main() -> None:
     convs = grounded_messages() if args.workload == "grounded" else chat_messages(args.num_prompts)
     convs = convs[:args.num_prompts]
     results: dict[str, dict[int, list[float]]] = {}
+    decode: dict[str, dict[int, list[float]]] = {}  # median per-request decode rate (after the first token)
     names = [n for n in commands(args, 0) if args.only is None or n in args.only]
     for rnd in range(args.rounds):
         for name in (names if rnd % 2 == 0 else names[::-1]):
@@ -179,23 +199,27 @@ def main() -> None:
                 for b in args.batch:
                     r = run_batch(url, model, convs, b, args.max_tokens)
                     results.setdefault(name, {}).setdefault(b, []).append(r["tok_s"])
+                    decode.setdefault(name, {}).setdefault(b, []).append(r["decode_tok_s"])
                     print(f"round {rnd} {name:16s} batch {b}: {r['tok_s']:.1f} output tok/s "
-                          f"({r['output_tokens']} tokens in {r['wall_s']:.1f} s)", flush=True)
+                          f"({r['output_tokens']} tokens in {r['wall_s']:.1f} s); per request: decode "
+                          f"{r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s", flush=True)
             finally:
                 proc.terminate()
                 proc.wait(30)
-    print(f"\nmedian output tok/s, workload {args.workload}, {len(convs)} prompts, max_tokens {args.max_tokens}")
-    base = {b: statistics.median(results["tokenmill"][b]) for b in args.batch} if "tokenmill" in results else None
-    for name, per_batch in results.items():
-        cells = []
-        for b in args.batch:
-            m = statistics.median(per_batch[b])
-            ratio = f" ({m / base[b]:.2f}x)" if base else ""
-            cells.append(f"batch {b}: {m:.1f}{ratio}")
-        print(f"{name:16s} " + ", ".join(cells))
+    for title, table in (("output tok/s (prefill included)", results),
+                         ("per-request decode tok/s (after the first token)", decode)):
+        print(f"\nmedian {title}, workload {args.workload}, {len(convs)} prompts, max_tokens {args.max_tokens}")
+        base = {b: statistics.median(table["tokenmill"][b]) for b in args.batch} if "tokenmill" in table else None
+        for name, per_batch in table.items():
+            cells = []
+            for b in args.batch:
+                m = statistics.median(per_batch[b])
+                ratio = f" ({m / base[b]:.2f}x)" if base else ""
+                cells.append(f"batch {b}: {m:.1f}{ratio}")
+            print(f"{name:16s} " + ", ".join(cells))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"output_tok_s": results, "decode_tok_s": decode}, f, indent=2)
 
 
 if __name__ == "__main__":
