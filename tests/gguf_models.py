@@ -132,9 +132,10 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     rope = cfg.get("rope_parameters") or {}
-    if gemma:
+    if gemma or (cfg.get("head_dim") or cfg["hidden_size"] // heads) != cfg["hidden_size"] // heads:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
+    if gemma:
         writer.add_sliding_window(cfg["sliding_window"])
         rope = rope.get("full_attention", rope)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
