@@ -140,9 +140,13 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
             gaps.append(float(ref_lp.max() - ref_lp[t]))
             lp_err.append(abs(out.outputs[0].logprobs[j][t].logprob - float(ref_lp[t])))
     # bf16 rounding moves these tiny random models' logprobs by ~0.02 nats on average (either path);
-    # a wrong operation (a rotary left out, say) moves them by 1-2.5 nats on average.
-    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < 0.5, (sum(lp_err) / len(lp_err), max(lp_err))
-    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
+    # a wrong operation (a rotary left out, say) moves them by 1-2.5 nats on average. In a mixture of
+    # experts, rounding also flips a token's choice between two nearly equal experts now and then, which
+    # moves that token's logprob by up to ~1.8 nats here (transformers' own bf16 against its float32 too).
+    moe = model.config.moe is not None
+    worst, mean_gap = (2.0, 0.06) if moe else (0.5, 0.03)
+    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < worst, (sum(lp_err) / len(lp_err), max(lp_err))
+    assert sum(gaps) / len(gaps) < mean_gap and max(gaps) < 2 * worst, (sum(gaps) / len(gaps), max(gaps))
 
 
 @pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, torch's GEMM
