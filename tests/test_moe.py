@@ -225,6 +225,7 @@ def test_fused_decode_step_declines_moe_and_bfloat16_tracks_transformers(folders
     if cpu_kernels.load() is not None:
         assert len(said) == 1
     assert used and all(f is None for f in used), "decode steps must not run fused"
+    assert model.graph_capturable is False  # nor in CUDA graphs: the active experts change step to step
     ref = reference_model(folder)
     gaps = []
     for ids, out in zip(prompts, outs):

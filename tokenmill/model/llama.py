@@ -140,6 +140,12 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ fused decode
     use_fused_decode = True  # False keeps every step on the module-by-module path
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step can be recorded in a CUDA graph: not with mixture-of-experts layers, whose
+        step reads which experts are active (a host sync, and shapes that change from step to step)."""
+        return self.config.moe is None
+
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                       meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits [T, vocab] of a decode-only step from the fused decoder, the layers and the output layer
