@@ -65,10 +65,11 @@ _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_p
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def _stack_experts(state: dict) -> dict:
+def _stack_experts(state: dict, legacy: bool = False) -> dict:
     """The checkpoint's tensors with each layer's experts stacked as llama.cpp's converter stacks them:
     blk.N.ffn_{gate,up,down}_exps, [n_expert, rows, cols] in numpy order (gate and up [n_expert, n_ff,
-    n_embd], down [n_expert, n_embd, n_ff]); other tensors as they are."""
+    n_embd], down [n_expert, n_embd, n_ff]); other tensors as they are. legacy: one tensor per expert,
+    blk.N.ffn_{gate,up,down}.E, as Mixtral files were written before the experts were stacked."""
     import re
 
     import torch
@@ -76,7 +77,9 @@ def _stack_experts(state: dict) -> dict:
     out, experts = {}, {}
     for hf, tensor in state.items():
         m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", hf)
-        if m:
+        if m and legacy:
+            out[f"blk.{m.group(1)}.{_EXPERT_PARTS[m.group(3)].removesuffix('_exps')}.{m.group(2)}.weight"] = tensor
+        elif m:
             experts.setdefault(f"blk.{m.group(1)}.{_EXPERT_PARTS[m.group(3)]}.weight", {})[int(m.group(2))] = tensor
         else:
             out[hf] = tensor
@@ -99,7 +102,8 @@ def _phi3_metadata(writer, cfg: dict, rope: dict) -> None:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
-def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, skip: tuple[str, ...] = ()) -> str:
+def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, skip: tuple[str, ...] = (),
+                     legacy_experts: bool = False) -> str:
     """The tiny model in `folder` (HF format, with its tokenizer; Llama, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE
     or Qwen3-MoE) as a GGUF file, laid out as llama.cpp's converter lays it out: Llama's (and Mixtral's) q/k rows
     permuted and its llama3 rope scaling as a rope_freqs tensor; Gemma's norm weights stored as 1 + w; Phi-3's
@@ -109,7 +113,8 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     as llama.cpp's quantizer keeps them. types(gguf name) gives each weight's type name:
     F32, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
     file's weights are then whatever those blocks hold). Norms stay F32. metadata: more key/value pairs
-    (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out."""
+    (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out. legacy_experts: one tensor per expert
+    (blk.N.ffn_gate.E, ...), the layout of older Mixtral files."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -187,7 +192,7 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     if scaling and scaling["rope_type"] == "llama3":
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, head_dim, theta))
-    for hf, tensor in _stack_experts(state).items():
+    for hf, tensor in _stack_experts(state, legacy_experts).items():
         if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         if hf.startswith("blk."):

@@ -195,6 +195,23 @@ def test_quantized_experts_run_in_their_block_format(folders, tmp_path):
             assert abs(lg[tok].logprob - lw[tok].logprob) < 0.1
 
 
+def test_mixtral_gguf_with_one_tensor_per_expert(folders, tmp_path):
+    """Older Mixtral files hold each expert's matrices apart (blk.N.ffn_gate.E, ...): they load (quantized ones
+    dequantized at load) and match transformers."""
+    pytest.importorskip("gguf")
+    from tests.gguf_models import write_llama_gguf
+
+    folder = folders["mixtral"]
+    window = {"llama.attention.sliding_window": 24}
+    path = write_llama_gguf(tmp_path / "old.gguf", folder, lambda n: "F32", metadata=window, legacy_experts=True)
+    prompts = _prompts(folder)[:4]
+    assert _greedy(LLM(path, dtype="float32", seed=0), prompts) == hf_greedy(folder, prompts, MAX_NEW)[0]
+    quantized = write_llama_gguf(tmp_path / "old-q8.gguf", folder, lambda n: "Q8_0", metadata=window,
+                                 legacy_experts=True)
+    experts = LLM(quantized, dtype="float32", seed=0).engine.model.layers[1].mlp.experts
+    assert experts.gate_up_proj is not None and not experts.qparts
+
+
 def test_a_missing_expert_tensor_is_named(folders, tmp_path):
     pytest.importorskip("gguf")
     from tests.gguf_models import write_llama_gguf

@@ -282,6 +282,10 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _hf_name(name: str, arch: str) -> str:
     """The Hugging Face name of a GGUF tensor of a file of architecture `arch`."""
+    m = re.match(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$", name)
+    if m:  # one expert's matrix, the layout of Mixtral files written before the experts were stacked
+        layer, part, expert = m.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
     m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
     if m:
         layer, part, kind = m.groups()
@@ -341,13 +345,16 @@ def quantized_plan(reader: GGUFFile) -> set[str]:
             continue
         hf = _hf_name(t.name, reader.arch)
         stacked = ".experts." in hf  # [n_expert, rows, cols]: each expert's slice runs in the format
-        if int(t.tensor_type) in quant.FORMATS and len(t.shape) == (3 if stacked else 2) and hf.endswith(".weight") \
+        if re.search(r"\.experts\.\d+\.", hf):
+            without_kernel.setdefault("experts stored one tensor each (an older layout)", []).append(t.name)
+        elif int(t.tensor_type) in quant.FORMATS and len(t.shape) == (3 if stacked else 2) and hf.endswith(".weight") \
                 and "norm" not in hf:
             candidates.add(hf)
         else:
             without_kernel.setdefault(t.tensor_type.name, []).append(t.name)
     for name, names in without_kernel.items():
-        logger.info("no kernel for %s: %d tensors dequantized at load (e.g. %s)", name, len(names), names[0])
+        logger.info("%s: %d tensors dequantized at load (e.g. %s)", name if name.startswith("experts") else
+                    f"no kernel for {name}", len(names), names[0])
     if candidates and quant.load() is None:
         logger.warning("quantized-weight kernels unavailable: every quantized tensor is dequantized at load")
         return set()
