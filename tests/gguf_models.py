@@ -1,6 +1,6 @@
-"""Tiny GGUF files (Llama, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE), float or with quantized tensors, written with the gguf package
-as llama.cpp's converter lays them out (tokenizer in metadata): fixtures for the GGUF loader and the
-quantized-weight path."""
+"""Tiny GGUF files (Llama, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE), float or with quantized
+tensors, written with the gguf package as llama.cpp's converter lays them out (tokenizer in metadata): fixtures
+for the GGUF loader and the quantized-weight path."""
 
 from __future__ import annotations
 

@@ -184,7 +184,8 @@ def test_quantized_experts_run_in_their_block_format(folders, tmp_path):
     experts = moe.experts
     assert experts.gate_up_proj is None and experts.down_proj is None
     assert [w.name for w in experts.qparts] == ["Q8_0"] * 3 and experts.qparts[0].shape == (8 * 32, 64)
-    assert experts._slices[2][3].data.data_ptr() == experts.qparts[2].data.data_ptr() + 3 * 64 * experts.qparts[2].data.shape[1]
+    down = experts.qparts[2].data  # expert 3's rows: a view 3 x 64 rows into the stacked blocks, not a copy
+    assert experts._slices[2][3].data.data_ptr() == down.data_ptr() + 3 * 64 * down.shape[1]
     assert moe.gate.weight is not None and moe.shared_expert.gate_up_proj.qweight.name == "Q8_0"
     reference = LLM(path, dtype="float32", seed=0, quantization="none")
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)

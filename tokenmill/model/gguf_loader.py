@@ -316,7 +316,8 @@ def gguf_name(hf: str, arch: str) -> str:
 
 # Projections the decoder stores as one matrix: kept quantized only where every part is.
 _MERGED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
-           ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.experts.gate_proj", "mlp.experts.up_proj")]
+           ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+           ("mlp.experts.gate_proj", "mlp.experts.up_proj")]  # the experts' float gate and up share one tensor
 _FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 
 

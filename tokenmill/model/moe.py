@@ -72,7 +72,8 @@ class Experts(nn.Module):
         rows, cols = self._shape(part)
         if not isinstance(tensor, torch.Tensor):
             if expert is not None or part not in self._quantized:
-                raise ValueError(f"quantized expert weights arrive stacked, into a part prepared for them (part {PARTS[part]})")
+                raise ValueError(f"quantized expert weights ({PARTS[part]}) must arrive stacked, into a part "
+                                 "prepared for them")
             if tensor.shape != (self.num_experts * rows, cols):
                 raise ValueError(f"stacked expert tensor has shape {tensor.shape}, expected "
                                  f"{(self.num_experts * rows, cols)}")
