@@ -73,6 +73,22 @@ def _configs(vocab: int):
         # Softcaps small enough to bend these tiny models' attention and output logits.
         "gemma2": Gemma2Config(**common, head_dim=16, sliding_window=8, query_pre_attn_scalar=20,
                                attn_logit_softcapping=1.0, final_logit_softcapping=1.5),
+        **moe_configs(common),
+    }
+
+
+def moe_configs(common: dict) -> dict:
+    """Mixtral (a window of 24), Qwen2-MoE (shared expert, top-k weights not renormalised, a dense middle layer)
+    and Qwen3-MoE (top-k weights renormalised): 8 experts of 32 rows, 2 a token."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    return {
+        "mixtral": MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
+                                 sliding_window=24),
+        "qwen2-moe": Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, **experts, shared_expert_intermediate_size=64,
+                                    norm_topk_prob=False, mlp_only_layers=[1]),
+        "qwen3-moe": Qwen3MoeConfig(**common, **experts, head_dim=32, norm_topk_prob=True),
     }
 
 
@@ -99,7 +115,8 @@ def phi3_configs(common: dict) -> dict:
     }
 
 
-ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini"]
+ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini", "mixtral",
+         "qwen2-moe", "qwen3-moe"]
 
 
 def save_tiny_models(root, configs) -> dict[str, str]:

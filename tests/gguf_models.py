@@ -1,6 +1,6 @@
-"""Tiny GGUF files (Llama, Gemma 2, Gemma 3, Phi-3), float or with quantized tensors, written with the gguf package
-as llama.cpp's converter lays them out (tokenizer in metadata): fixtures for the GGUF loader and the
-quantized-weight path."""
+"""Tiny GGUF files (Llama, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE), float or with quantized
+tensors, written with the gguf package as llama.cpp's converter lays them out (tokenizer in metadata): fixtures
+for the GGUF loader and the quantized-weight path."""
 
 from __future__ import annotations
 
@@ -46,7 +46,46 @@ def llama3_rope_factors(s: dict, head_dim: int, theta: float) -> np.ndarray:
     return np.where(wavelen < high, 1.0, np.where(wavelen > low, s["factor"], blend)).astype(np.float32)
 
 
-_ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}  # HF model_type -> GGUF arch
+_ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",  # HF model_type -> GGUF arch
+         "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def _moe_metadata(writer, cfg: dict) -> None:
+    """What llama.cpp's converter writes for a mixture-of-experts model beside the common keys (Mixtral's
+    feed_forward_length is its experts' size, written as the common key)."""
+    writer.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _stack_experts(state: dict, legacy: bool = False) -> dict:
+    """The checkpoint's tensors with each layer's experts stacked as llama.cpp's converter stacks them:
+    blk.N.ffn_{gate,up,down}_exps, [n_expert, rows, cols] in numpy order (gate and up [n_expert, n_ff,
+    n_embd], down [n_expert, n_embd, n_ff]); other tensors as they are. legacy: one tensor per expert,
+    blk.N.ffn_{gate,up,down}.E, as Mixtral files were written before the experts were stacked."""
+    import re
+
+    import torch
+
+    out, experts = {}, {}
+    for hf, tensor in state.items():
+        m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", hf)
+        if m and legacy:
+            out[f"blk.{m.group(1)}.{_EXPERT_PARTS[m.group(3)].removesuffix('_exps')}.{m.group(2)}.weight"] = tensor
+        elif m:
+            experts.setdefault(f"blk.{m.group(1)}.{_EXPERT_PARTS[m.group(3)]}.weight", {})[int(m.group(2))] = tensor
+        else:
+            out[hf] = tensor
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
 
 
 def _phi3_metadata(writer, cfg: dict, rope: dict) -> None:
@@ -63,15 +102,19 @@ def _phi3_metadata(writer, cfg: dict, rope: dict) -> None:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
-def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, skip: tuple[str, ...] = ()) -> str:
-    """The tiny model in `folder` (HF format, with its tokenizer; Llama, Gemma 2, Gemma 3 or Phi-3) as a GGUF
-    file, laid out as llama.cpp's converter lays it out: Llama's q/k rows permuted and its llama3 rope scaling
-    as a rope_freqs tensor; Gemma's norm weights stored as 1 + w; Phi-3's merged qkv and gate/up projections
-    as attn_qkv and ffn_up, its LongRoPE factors as rope_factors_long / rope_factors_short tensors and its
-    rotary dims, original context and attention factor as metadata. types(gguf name) gives each weight's type name:
+def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, skip: tuple[str, ...] = (),
+                     legacy_experts: bool = False) -> str:
+    """The tiny model in `folder` (HF format, with its tokenizer; Llama, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE
+    or Qwen3-MoE) as a GGUF file, laid out as llama.cpp's converter lays it out: Llama's (and Mixtral's) q/k rows
+    permuted and its llama3 rope scaling as a rope_freqs tensor; Gemma's norm weights stored as 1 + w; Phi-3's
+    merged qkv and gate/up projections as attn_qkv and ffn_up, its LongRoPE factors as rope_factors_long /
+    rope_factors_short tensors and its rotary dims, original context and attention factor as metadata; experts
+    stacked per layer (ffn_*_exps), Mixtral as arch llama with expert counts, routers (ffn_gate_inp) kept F32
+    as llama.cpp's quantizer keeps them. types(gguf name) gives each weight's type name:
     F32, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
     file's weights are then whatever those blocks hold). Norms stay F32. metadata: more key/value pairs
-    (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out."""
+    (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out. legacy_experts: one tensor per expert
+    (blk.N.ffn_gate.E, ...), the layout of older Mixtral files."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -94,9 +137,10 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     rope = cfg.get("rope_parameters") or {}
-    if gemma:
+    if gemma or (cfg.get("head_dim") or cfg["hidden_size"] // heads) != cfg["hidden_size"] // heads:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
+    if gemma:
         writer.add_sliding_window(cfg["sliding_window"])
         rope = rope.get("full_attention", rope)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -110,6 +154,8 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
         writer.add_rope_scaling_factor(scaling["factor"])
     if arch == "phi3":
         _phi3_metadata(writer, cfg, rope)
+    if cfg.get("num_local_experts") or cfg.get("num_experts"):
+        _moe_metadata(writer, cfg)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -131,7 +177,10 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     if gemma:
         parts.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"})
@@ -143,12 +192,15 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     if scaling and scaling["rope_type"] == "llama3":
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, head_dim, theta))
-    for hf, tensor in state.items():
+    for hf, tensor in _stack_experts(state, legacy_experts).items():
         if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
-        if hf.startswith("model.layers."):
+        if hf.startswith("blk."):
+            name = hf
+        elif hf.startswith("model.layers."):
             layer, rest = hf.removeprefix("model.layers.").split(".", 1)
-            name = f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"
+            rest, kind = rest.rsplit(".", 1)
+            name = f"blk.{layer}.{parts[rest]}.{kind}"
         else:
             name = names[hf]
         if name in skip:
@@ -156,14 +208,19 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
         w = tensor.to(torch.float32).numpy()
         if gemma and name.endswith("norm.weight"):
             w = w + np.float32(1.0)
-        if not gemma and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(-1)  # llama.cpp's shape: [n_embd]
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _permute(w, heads if "attn_q" in name else kv_heads)
-        kind = "F32" if w.ndim == 1 else types(name)
+        kind = "F32" if w.ndim == 1 or name.endswith((".bias", "ffn_gate_inp.weight")) else types(name)
         if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(w))
             continue
         qtype = gguf.GGMLQuantizationType[kind]
-        data = gguf.quants.quantize(w, qtype) if kind in QUANTIZABLE else random_k_blocks(qtype, *w.shape, rng)
+        if kind in QUANTIZABLE:
+            data = gguf.quants.quantize(w, qtype)
+        else:
+            data = random_k_blocks(qtype, int(np.prod(w.shape[:-1])), w.shape[-1], rng).reshape(*w.shape[:-1], -1)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -122,7 +122,7 @@ def test_unsupported_architectures_list_the_supported_ones(files, tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'; supported: gemma2, gemma3, llama, "
-                                         r"mistral, phi3, qwen2, qwen3"):
+                                         r"mistral, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         LLM(str(gguf_path), dtype="float32")
     # Gemma 3's multimodal checkpoints (image and text) name another class than the text model's.
     multimodal = tmp_path / "gemma3-vision"

@@ -65,7 +65,7 @@ def test_greedy_matches_transformers(tiny_models, arch, mode):
     assert all(b.ref_cnt == 0 for b in pool.blocks)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3", "mixtral", "qwen2-moe", "qwen3-moe"])
 def test_shared_prefixes_reuse_cache_and_match(tiny_models, arch):
     """Many requests sharing prefixes of different lengths: cache hits happen, tokens equal transformers'
     (Gemma 3's: windows of 8 over blocks of 4, so hits end inside and beyond local layers' windows; Phi-3's:
@@ -124,7 +124,7 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=1)
     outs = llm.generate(prompt_ids, params, use_tqdm=False)
     fused_steps = sum(f is not None for f in used)
-    if fused and cpu_kernels.load() is not None:
+    if fused and cpu_kernels.load() is not None and model.config.moe is None:  # MoE: module by module (test_moe)
         assert fused_steps > MAX_NEW // 2, "decode-only steps should run fused"
     else:
         assert fused_steps == 0
@@ -140,9 +140,13 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
             gaps.append(float(ref_lp.max() - ref_lp[t]))
             lp_err.append(abs(out.outputs[0].logprobs[j][t].logprob - float(ref_lp[t])))
     # bf16 rounding moves these tiny random models' logprobs by ~0.02 nats on average (either path);
-    # a wrong operation (a rotary left out, say) moves them by 1-2.5 nats on average.
-    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < 0.5, (sum(lp_err) / len(lp_err), max(lp_err))
-    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
+    # a wrong operation (a rotary left out, say) moves them by 1-2.5 nats on average. In a mixture of
+    # experts, rounding also flips a token's choice between two nearly equal experts now and then, which
+    # moves that token's logprob by up to ~1.8 nats here (transformers' own bf16 against its float32 too).
+    moe = model.config.moe is not None
+    worst, mean_gap = (2.0, 0.06) if moe else (0.5, 0.03)
+    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < worst, (sum(lp_err) / len(lp_err), max(lp_err))
+    assert sum(gaps) / len(gaps) < mean_gap and max(gaps) < 2 * worst, (sum(gaps) / len(gaps), max(gaps))
 
 
 @pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, torch's GEMM

@@ -71,8 +71,13 @@ class LLMEngine:
                                          getattr(self.model, "kv_recompute_length", None))
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.long_prefill_token_threshold)
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        if graphs and not getattr(self.model, "graph_capturable", True):
+            logger.info("%s cannot record its decode step in a CUDA graph: decode steps run eagerly",
+                        type(self.model).__name__)
+            graphs = False
         self.runner = ModelRunner(self.model, num_blocks, bs, self.device, self.dtype, config.seed,
-                                  decode_graphs=self.device.type == "cuda" and not config.enforce_eager,
+                                  decode_graphs=graphs,
                                   max_model_len=self.max_model_len, kv_cache_dtype=config.kv_cache_dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0

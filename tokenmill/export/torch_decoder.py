@@ -39,6 +39,8 @@ class TorchDecoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         cfg = self.config = model.config
+        if cfg.moe is not None:
+            raise ValueError(f"export covers dense decoders; {type(model).__name__} has mixture-of-experts layers")
         self.embed = nn.Parameter(dense(model.embed_tokens), requires_grad=False)
         # None: the output layer is the embedding (tied).
         self.head = None if model.lm_head is None else nn.Parameter(dense(model.lm_head), requires_grad=False)

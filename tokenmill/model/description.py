@@ -1,6 +1,6 @@
 """A decoder-only architecture described as data: sizes, and the switches in which the supported families
 differ (norm kind, activation, extra norms, rope and window per layer, partial rotary, softcaps, embedding
-scale).
+scale, mixture-of-experts routing).
 
 The module-by-module decoder (llama.py) and the fused CPU decode step (kernels/cpu_kernels.cpp) both read
 this one description, so a new family is a new way of filling it in, not a new decoder.
@@ -22,6 +22,41 @@ class RopeSpec:
 
     theta: float
     scaling: dict | None = None
+
+
+@dataclass(slots=True)
+class MoESpec:
+    """A mixture-of-experts feed-forward: each token's `top_k` of `num_experts` gated experts, weighted.
+
+    Routing: a softmax over all the router's logits, the top k taken, renormalised to sum to 1 where
+    norm_topk_prob (Mixtral always: a softmax over its top-k logits; Qwen2-MoE / Qwen3-MoE as configured).
+    A layer is sparse where sparse_layers says so, else a dense MLP of the config's intermediate_size."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    sparse_layers: list[bool]
+    shared_intermediate_size: int = 0  # Qwen2-MoE: one shared expert on every token, gated by sigmoid(x . w)
+    weights_in_float: bool = False  # the routing weights scale the experts' outputs in float32 (Mixtral)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"experts per token must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+
+    @classmethod
+    def from_hf(cls, c: dict, **fields) -> "MoESpec":
+        """The Qwen-MoE reading of an HF config: a layer is sparse unless listed in mlp_only_layers or off
+        the decoder_sparse_step; `fields` override (Mixtral's rules)."""
+        n, step, dense = c["num_hidden_layers"], c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or ())
+        # Qwen's configs say num_experts, Mixtral's num_local_experts (transformers 5 saves Qwen's under both names).
+        num_experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        values = dict(num_experts=num_experts, top_k=c["num_experts_per_tok"],
+                      intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+                      norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                      sparse_layers=[num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n)],
+                      shared_intermediate_size=c.get("shared_expert_intermediate_size") or 0)
+        return cls(**{**values, **fields})
 
 
 @dataclass(slots=True)
@@ -61,6 +96,7 @@ class DecoderConfig:
     ropes: list[RopeSpec] = field(default_factory=list)  # the distinct rotary embeddings; [] : one from rope_theta
     layer_ropes: list[int] = field(default_factory=list)  # per layer: its index in ropes; [] : all 0
     rotary_dim: int | None = None  # the leading dims of each head that rotate (partial rotary); None: head_dim
+    moe: MoESpec | None = None  # the feed-forward as a mixture of experts (its sparse layers); None: dense
 
     def __post_init__(self) -> None:
         if self.attn_scale is None:
@@ -77,6 +113,9 @@ class DecoderConfig:
             raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         if len(self.layer_ropes) != self.num_layers or not all(0 <= i < len(self.ropes) for i in self.layer_ropes):
             raise ValueError(f"layer_ropes must name one of the {len(self.ropes)} rotary embeddings per layer")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError(f"the experts' sparse_layers lists {len(self.moe.sparse_layers)} layers, "
+                             f"the model has {self.num_layers}")
 
     @classmethod
     def from_hf(cls, c: dict, *, qkv_bias: bool | None = None, qk_norm: bool = False,

@@ -16,7 +16,8 @@ logger = logging.getLogger("tokenmill")
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-          "phi3": "Phi3ForCausalLM"}
+          "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# Mixtral has no architecture of its own in GGUF: llama.cpp writes it as llama with llama.expert_count set.
 _GEMMA = ("gemma2", "gemma3")
 
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
@@ -25,6 +26,12 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, every expert's matrices stacked [n_expert, rows, cols], and Qwen2-MoE's
+    # shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Gemma's four norms a layer: ffn_norm is the norm before the MLP, post_attention_norm the attention output's.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
@@ -162,7 +169,7 @@ def read_config(reader: GGUFFile) -> dict:
         "rope_theta": g("rope.freq_base", 10000.0),
         "max_position_embeddings": g("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
+        "attention_bias": "blk.0.attn_q.bias" in names and arch not in ("qwen2", "qwen2moe"),
         "sliding_window": g("attention.sliding_window"),
     }
     scaling_type = g("rope.scaling.type")
@@ -175,11 +182,37 @@ def read_config(reader: GGUFFile) -> dict:
             raise ValueError(f"GGUF file has both rope scaling {scaling_type!r} and a rope_freqs tensor")
         # Llama 3.1+ files keep their llama3 rope scaling as the factor each frequency is divided by.
         config["rope_scaling"] = {"rope_type": "freq_factors", "factors": _rope_freq_factors(reader)}
+    if g("expert_count"):
+        config.update(_moe_config(reader, g, config))
     if arch in _GEMMA:
         config.update(_gemma_config(g, config))
     if arch == "phi3":
         config.update(_phi3_config(reader, g, config))
     return config
+
+
+def _moe_config(reader: GGUFFile, g, config: dict) -> dict:
+    """The mixture-of-experts entries of an HF config from a GGUF's metadata: expert counts and sizes; a layer
+    without a router (ffn_gate_inp) is dense (mlp_only_layers). The top-k weights are renormalised where
+    expert_weights_norm says, else as llama.cpp does for the architecture (all but qwen2moe)."""
+    arch = config["model_type"]
+    names = {t.name for t in reader.tensors}
+    experts = g("expert_count")
+    out = {"num_experts_per_tok": g("expert_used_count"),
+           "moe_intermediate_size": g("expert_feed_forward_length") or config["intermediate_size"],
+           "mlp_only_layers": [i for i in range(config["num_hidden_layers"])
+                               if f"blk.{i}.ffn_gate_inp.weight" not in names],
+           "norm_topk_prob": bool(g("expert_weights_norm", arch != "qwen2moe"))}
+    if arch == "llama":
+        if out["mlp_only_layers"]:
+            raise ValueError(f"Mixtral GGUF file lacks the router of layers {out['mlp_only_layers']} (ffn_gate_inp)")
+        return {**out, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts}
+    out["num_experts"] = experts
+    if arch == "qwen2moe":
+        shared = next((t.shape[1] for t in reader.tensors if t.name.endswith(".ffn_gate_shexp.weight")), 0)
+        out.update(shared_expert_intermediate_size=g("expert_shared_feed_forward_length") or shared,
+                   qkv_bias="blk.0.attn_q.bias" in names)
+    return out
 
 
 def _phi3_config(reader: GGUFFile, g, config: dict) -> dict:
@@ -249,6 +282,10 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _hf_name(name: str, arch: str) -> str:
     """The Hugging Face name of a GGUF tensor of a file of architecture `arch`."""
+    m = re.match(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$", name)
+    if m:  # one expert's matrix, the layout of Mixtral files written before the experts were stacked
+        layer, part, expert = m.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
     m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
     if m:
         layer, part, kind = m.groups()
@@ -268,6 +305,7 @@ def gguf_name(hf: str, arch: str) -> str:
     if m:
         layer, part, kind = m.groups()
         names = {v: k for k, v in _layer_names(arch).items()}
+        part = re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.", part)  # one expert's: in the stacked tensor
         if arch == "phi3":  # the parts of a merged projection: its converter writes them as one tensor
             names.update({p: merged for merged, parts in _PHI3_MERGED.items() for p in parts})
         return f"blk.{layer}.{names.get(part, part)}.{kind}"
@@ -277,7 +315,9 @@ def gguf_name(hf: str, arch: str) -> str:
 
 
 # Projections the decoder stores as one matrix: kept quantized only where every part is.
-_MERGED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
+_MERGED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+           ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+           ("mlp.experts.gate_proj", "mlp.experts.up_proj")]  # the experts' float gate and up share one tensor
 _FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 
 
@@ -305,13 +345,17 @@ def quantized_plan(reader: GGUFFile) -> set[str]:
         if int(t.tensor_type) in _FLOAT_TYPES or t.name in _NOT_WEIGHTS:
             continue
         hf = _hf_name(t.name, reader.arch)
-        if int(t.tensor_type) in quant.FORMATS and len(t.shape) == 2 and hf.endswith(".weight") \
+        stacked = ".experts." in hf  # [n_expert, rows, cols]: each expert's slice runs in the format
+        if re.search(r"\.experts\.\d+\.", hf):
+            without_kernel.setdefault("experts stored one tensor each (an older layout)", []).append(t.name)
+        elif int(t.tensor_type) in quant.FORMATS and len(t.shape) == (3 if stacked else 2) and hf.endswith(".weight") \
                 and "norm" not in hf:
             candidates.add(hf)
         else:
             without_kernel.setdefault(t.tensor_type.name, []).append(t.name)
     for name, names in without_kernel.items():
-        logger.info("no kernel for %s: %d tensors dequantized at load (e.g. %s)", name, len(names), names[0])
+        logger.info("%s: %d tensors dequantized at load (e.g. %s)", name if name.startswith("experts") else
+                    f"no kernel for {name}", len(names), names[0])
     if candidates and quant.load() is None:
         logger.warning("quantized-weight kernels unavailable: every quantized tensor is dequantized at load")
         return set()
@@ -347,7 +391,7 @@ def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict
 
     from tokenmill.kernels.quant import QuantizedWeight
 
-    permute = config["model_type"] in ("llama", "mistral")
+    permute = config["model_type"] in ("llama", "mistral", "mixtral")
     # llama.cpp's converter stores Gemma's norm weights w as 1 + w (the scale it multiplies by).
     norm_shift = 1.0 if reader.arch in _GEMMA else 0.0
     for t in reader.tensors:
@@ -370,6 +414,8 @@ def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
         if permute and heads:
             arr = _unpermute(arr, heads)
+        if part == "ffn_gate_inp_shexp":  # llama.cpp's shape is [n_embd]; the gate's is [1, hidden]
+            arr = arr.reshape(1, -1)
         if norm_shift and hf.endswith("norm.weight"):
             arr = arr - np.float32(norm_shift)
         if not arr.flags.writeable or not arr.flags.c_contiguous:  # F32 tensors come as read-only memory maps

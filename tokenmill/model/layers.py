@@ -162,5 +162,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * up)
+        return self.down_proj(gated(gate, up, self.activation))
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up: act silu (SwiGLU) or the tanh-approximated GELU (GeGLU)."""
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up

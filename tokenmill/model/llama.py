@@ -1,4 +1,5 @@
-"""The Llama decoder, which Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 reuse through their descriptions."""
+"""The Llama decoder, which Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and the mixture-of-experts families
+(Mixtral, Qwen2-MoE, Qwen3-MoE) reuse through their descriptions."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.description import ACTIVATIONS, DecoderConfig, layer_windows  # noqa: F401 (re-export)
 from tokenmill.model.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, softcap
+from tokenmill.model.moe import EXPERT_WEIGHT, PARTS, Experts, SparseMoE
 from tokenmill.model.rotary import RotaryEmbedding, apply_rotary
 
 logger = logging.getLogger("tokenmill")
@@ -58,7 +60,10 @@ class DecoderLayer(nn.Module):
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.activation)
+        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.activation)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.activation)
         if self.sandwich:
             self.post_feedforward_layernorm = norm()
         self.rope = cfg.layer_ropes[index]
@@ -135,6 +140,12 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ fused decode
     use_fused_decode = True  # False keeps every step on the module-by-module path
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step can be recorded in a CUDA graph: not with mixture-of-experts layers, whose
+        step reads which experts are active (a host sync, and shapes that change from step to step)."""
+        return self.config.moe is None
+
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                       meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits [T, vocab] of a decode-only step from the fused decoder, the layers and the output layer
@@ -163,6 +174,10 @@ class LlamaForCausalLM(nn.Module):
         kernels = cpu_kernels.load()
         cfg = self.config
         if kernels is None:
+            return None
+        if cfg.moe is not None:
+            logger.info("the fused decode step does not run mixture-of-experts layers: decode steps run module by "
+                        "module (each active expert's tokens in one product)")
             return None
         if not cpu_kernels.head_dim_ok(cfg.head_dim) or \
                 any(n % 32 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
@@ -210,9 +225,18 @@ class LlamaForCausalLM(nn.Module):
 
     quantized = False  # True once any linear layer or the embedding holds a quantized weight
 
+    def canonical_name(self, name: str) -> str:
+        """A checkpoint name (without "model.") in the naming the modules follow; families that name their
+        tensors otherwise (Mixtral's experts) translate here."""
+        return name
+
     def _weight_module(self, name: str) -> tuple[str, int]:
         """(the module holding a checkpoint weight, the weight's part in it) for a Hugging Face name."""
-        parts = name.removeprefix("model.").split(".")
+        name = self.canonical_name(name.removeprefix("model."))
+        expert = EXPERT_WEIGHT.match(name)
+        if expert:
+            return expert.group(1), PARTS.index(expert.group(3))
+        parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in self._STACKED:
             fused, idx = self._STACKED[parts[-2]]
             return ".".join(parts[:-2] + [fused]), idx
@@ -224,8 +248,12 @@ class LlamaForCausalLM(nn.Module):
         for name in names:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            module = self.get_submodule(self._weight_module(name)[0])
-            if not module.quantized:
+            module_name, part = self._weight_module(name)
+            module = self.get_submodule(module_name)
+            if isinstance(module, Experts):
+                module.quantize_part(part)
+                self.quantized = True
+            elif not module.quantized:
                 module.quantize_weight()
                 self.quantized = True
 
@@ -234,6 +262,9 @@ class LlamaForCausalLM(nn.Module):
         each part of a merged projection under its own name."""
         names = set()
         for module_name, module in self.named_modules():
+            if isinstance(module, Experts):
+                names.update(module.checkpoint_names(module_name))
+                continue
             if not hasattr(module, "weight"):
                 continue
             for kind in ("weight", "bias"):
@@ -256,8 +287,15 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = self.canonical_name(name.removeprefix("model."))
             if "rotary_emb" in name:
+                continue
+            expert = EXPERT_WEIGHT.match(name)
+            if expert:  # one expert's matrix, or (from GGUF) all experts' stacked
+                prefix, index, part = expert.group(1), expert.group(2), PARTS.index(expert.group(3))
+                experts = self.get_submodule(prefix)
+                experts.load(part, tensor, None if index is None else int(index))
+                loaded.update(experts.checkpoint_names(prefix, [part], None if index is None else [int(index)]))
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied to the embedding

@@ -148,7 +148,7 @@ def _release_freed_memory() -> None:
 def quantize_on_load(model: nn.Module, weights, quantization: str):
     """Prepare the model's linear layers and embedding for int8 / int4 weights, and quantize their float
     checkpoint tensors as they stream past (the float copy is never kept). Layers whose rows do not divide
-    into groups of 32 stay float."""
+    into groups of 32 stay float, as do mixture-of-experts routers (keep_float) and the experts (for now)."""
     from tokenmill.model.layers import Embedding, _QuantizableLinear
 
     linear_type, edge_type = quant.QUANTIZE_TO[quantization]
@@ -157,7 +157,8 @@ def quantize_on_load(model: nn.Module, weights, quantization: str):
                          "built here (a C++ compiler is required)")
     targets = {}
     for name, module in model.named_modules():
-        if isinstance(module, _QuantizableLinear) and module.in_features % 32 == 0:
+        if isinstance(module, _QuantizableLinear) and module.in_features % 32 == 0 \
+                and not getattr(module, "keep_float", False):
             targets[name] = edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type
             module.quantize_weight()
     model.quantized = bool(targets)

@@ -6,18 +6,24 @@ from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mistral import MistralForCausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen2 import Qwen2ForCausalLM
+from tokenmill.model.qwen2_moe import Qwen2MoeForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
+from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

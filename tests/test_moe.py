@@ -1,0 +1,270 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): routing as each reference routes, experts run
+grouped (one product per active expert, never a loop over tokens), GGUF files with stacked expert tensors,
+and the fused decode step declining them cleanly. Greedy equality in every scheduling mode is in
+test_reference.py (the MoE architectures are in conftest.ARCHS)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import pytest
+import torch
+
+from tests.conftest import PROMPTS, hf_greedy, moe_configs, save_tiny_models, teacher_forced_logits, reference_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.moe import Experts
+
+MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]
+MAX_NEW = 16
+
+
+def _configs(vocab: int) -> dict:
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return moe_configs(common)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    return save_tiny_models(tmp_path_factory.mktemp("moe"), _configs)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _prompts(folder: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return [tok.encode(p) for p in PROMPTS]
+
+
+def test_the_tiny_models_route_tokens_to_many_experts(folders):
+    """The fixtures exercise routing: across the prompts every expert of a layer is chosen, and tokens differ
+    in their choices (so a wrong grouping or scatter would show)."""
+    for name in MOE:
+        llm = LLM(folders[name], dtype="float32", seed=0)
+        model = llm.engine.model
+        chosen = []
+        layer = model.layers[0].mlp
+        route = layer.route
+
+        def recording(x, route=route, chosen=chosen):
+            ids, weights = route(x)
+            chosen.append(ids)
+            return ids, weights
+
+        layer.route = recording
+        _greedy(llm, _prompts(folders[name])[:4], 2)
+        ids = torch.cat(chosen)
+        assert ids.unique().numel() == 8, (name, ids.unique())
+        assert len({tuple(sorted(r)) for r in ids.tolist()}) >= 6, name
+
+
+@pytest.mark.parametrize("num_requests", [1, 12])
+def test_decode_runs_one_product_per_active_expert(folders, num_requests, monkeypatch):
+    """Every expert product covers all of that expert's rows of the step: per MoE layer per step, as many
+    products as distinct experts chosen (at most 8 here, with 12 requests x 2 choices = 24 rows in a
+    decode step), together covering each token's top-k rows exactly once."""
+    records = []
+    forward, expert = Experts.forward, Experts.expert
+
+    def counted_forward(self, x, ids, weights):
+        records.append({"tokens": x.shape[0], "distinct": ids.unique().numel(), "calls": 0, "rows": 0,
+                        "k": ids.shape[1]})
+        return forward(self, x, ids, weights)
+
+    def counted_expert(self, e, x):
+        records[-1]["calls"] += 1
+        records[-1]["rows"] += x.shape[0]
+        return expert(self, e, x)
+
+    monkeypatch.setattr(Experts, "forward", counted_forward)
+    monkeypatch.setattr(Experts, "expert", counted_expert)
+    folder = folders["qwen3-moe"]
+    llm = LLM(folder, dtype="float32", seed=0)
+    prompts = (_prompts(folder) * 2)[:num_requests]
+    got = _greedy(llm, prompts, 6)
+    assert got == hf_greedy(folder, prompts, 6)[0]
+    for r in records:
+        assert r["calls"] == r["distinct"] <= 8 and r["rows"] == r["tokens"] * r["k"], r
+    decode = [r for r in records if r["tokens"] == num_requests]
+    assert decode, "no decode step was seen"
+    if num_requests == 12:
+        assert all(r["calls"] < r["tokens"] for r in decode), "expert products must not scale with the batch"
+
+
+def test_norm_topk_prob_is_honoured(folders, tmp_path):
+    """The same Qwen3-MoE weights with norm_topk_prob true (the fixture) and false: transformers' greedy tokens
+    differ between the two, and ours equal each (a decoder that ignored the flag would fail one)."""
+    folder = folders["qwen3-moe"]
+    flipped = tmp_path / "qwen3-moe-unnormalised"
+    flipped.mkdir()
+    for f in os.listdir(folder):
+        if f != "config.json":
+            os.symlink(os.path.join(folder, f), flipped / f)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    assert config["norm_topk_prob"] is True
+    (flipped / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    prompts = _prompts(folder)[:4]
+    results = {}
+    for path in (folder, str(flipped)):
+        ref, _ = hf_greedy(path, prompts, MAX_NEW)
+        assert _greedy(LLM(path, dtype="float32", seed=0), prompts) == ref, path
+        results[path] = ref
+    assert results[folder] != results[str(flipped)], "the fixture must be sensitive to the renormalisation"
+
+
+def test_routing_weights_follow_each_family():
+    """Mixtral: a softmax over the top-k logits; Qwen: a softmax over all, top-k, renormalised only with
+    norm_topk_prob; Qwen2-MoE's shared expert gated by sigmoid(x . w)."""
+    from tokenmill.model.description import MoESpec
+    from tokenmill.model.moe import SparseMoE
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 32)
+    for norm in (True, False):
+        spec = MoESpec(num_experts=6, top_k=2, intermediate_size=32, norm_topk_prob=norm, sparse_layers=[True])
+        moe = SparseMoE(32, spec, "silu")
+        torch.nn.init.normal_(moe.gate.weight)
+        ids, w = moe.route(x)
+        logits = x @ moe.gate.weight.T
+        top, top_ids = logits.topk(2, dim=-1)
+        assert torch.equal(ids, top_ids)
+        expected = top.softmax(-1) if norm else logits.softmax(-1).gather(1, top_ids)
+        torch.testing.assert_close(w, expected)
+        assert torch.allclose(w.sum(-1), torch.ones(5)) == norm
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_gguf_matches_transformers_on_its_folder(folders, tmp_path, name):
+    """The model written as llama.cpp writes it (experts stacked in ffn_*_exps, Mixtral as llama with expert
+    counts, Qwen2-MoE's shared expert as ffn_*_shexp and ffn_gate_inp_shexp) loads and matches transformers."""
+    pytest.importorskip("gguf")
+    from tests.gguf_models import write_llama_gguf
+
+    folder = folders[name]
+    # The fixture's Mixtral slides a window of 24 (Mixtral 8x7B has none; llama.cpp writes none for arch llama):
+    # said in the file's metadata so that the file describes the folder's model.
+    window = {"llama.attention.sliding_window": 24} if name == "mixtral" else None
+    path = write_llama_gguf(tmp_path / f"{name}.gguf", folder, lambda n: "F32", metadata=window)
+    llm = LLM(path, dtype="float32", seed=0, block_size=4)
+    model = llm.engine.model
+    assert type(model).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
+                                    "qwen3-moe": "Qwen3MoeForCausalLM"}[name]
+    moe = model.config.moe
+    assert (moe.num_experts, moe.top_k) == (8, 2) and moe.norm_topk_prob == (name != "qwen2-moe")
+    assert moe.sparse_layers == ([True, False, True] if name == "qwen2-moe" else [True, True])
+    assert model.config.layer_windows == ([24, 24] if name == "mixtral" else [None] * len(moe.sparse_layers))
+    prompts = _prompts(folder)
+    assert _greedy(llm, prompts) == hf_greedy(folder, prompts, MAX_NEW)[0]
+
+
+def test_quantized_experts_run_in_their_block_format(folders, tmp_path):
+    """A Q8_0 Qwen2-MoE file: the stacked experts and the shared expert stay in Q8_0 (each expert's slice a
+    view multiplied by the format's kernel), the router stays float; teacher-forced logprobs agree with the
+    same file dequantized within 0.1 nats, and greedy tokens agree with it in most positions."""
+    pytest.importorskip("gguf")
+    from tests.gguf_models import write_llama_gguf
+    from tokenmill.kernels import quant
+
+    if quant.load() is None:
+        pytest.skip("the quantized-weight kernels could not be built here")
+    folder = folders["qwen2-moe"]
+    path = write_llama_gguf(tmp_path / "moe-q8.gguf", folder, lambda name: "Q8_0")
+    native = LLM(path, dtype="float32", seed=0)
+    moe = native.engine.model.layers[0].mlp
+    experts = moe.experts
+    assert experts.gate_up_proj is None and experts.down_proj is None
+    assert [w.name for w in experts.qparts] == ["Q8_0"] * 3 and experts.qparts[0].shape == (8 * 32, 64)
+    down = experts.qparts[2].data  # expert 3's rows: a view 3 x 64 rows into the stacked blocks, not a copy
+    assert experts._slices[2][3].data.data_ptr() == down.data_ptr() + 3 * 64 * down.shape[1]
+    assert moe.gate.weight is not None and moe.shared_expert.gate_up_proj.qweight.name == "Q8_0"
+    reference = LLM(path, dtype="float32", seed=0, quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = _prompts(folder)
+    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (native, reference))
+    for prompt, g, w in zip(prompts, got, want):
+        for tok, lg, lw in zip(prompt[1:], g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 0.1
+
+
+def test_mixtral_gguf_with_one_tensor_per_expert(folders, tmp_path):
+    """Older Mixtral files hold each expert's matrices apart (blk.N.ffn_gate.E, ...): they load (quantized ones
+    dequantized at load) and match transformers."""
+    pytest.importorskip("gguf")
+    from tests.gguf_models import write_llama_gguf
+
+    folder = folders["mixtral"]
+    window = {"llama.attention.sliding_window": 24}
+    path = write_llama_gguf(tmp_path / "old.gguf", folder, lambda n: "F32", metadata=window, legacy_experts=True)
+    prompts = _prompts(folder)[:4]
+    assert _greedy(LLM(path, dtype="float32", seed=0), prompts) == hf_greedy(folder, prompts, MAX_NEW)[0]
+    quantized = write_llama_gguf(tmp_path / "old-q8.gguf", folder, lambda n: "Q8_0", metadata=window,
+                                 legacy_experts=True)
+    experts = LLM(quantized, dtype="float32", seed=0).engine.model.layers[1].mlp.experts
+    assert experts.gate_up_proj is not None and not experts.qparts
+
+
+def test_a_missing_expert_tensor_is_named(folders, tmp_path):
+    pytest.importorskip("gguf")
+    from tests.gguf_models import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "incomplete.gguf", folders["mixtral"], lambda n: "F32",
+                            skip=("blk.1.ffn_down_exps.weight",))
+    with pytest.raises(ValueError, match=re.escape("incomplete.gguf lacks tensor 'blk.1.ffn_down_exps.weight'")):
+        LLM(path, dtype="float32")
+
+
+def test_fused_decode_step_declines_moe_and_bfloat16_tracks_transformers(folders, caplog):
+    """bf16 decode of a MoE model runs module by module (said once in the log), and its tokens track
+    transformers' float32 choices teacher-forced, as the dense models' do."""
+    folder = folders["mixtral"]
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        llm = LLM(folder, dtype="bfloat16", seed=0)
+        model = llm.engine.model
+        used = []
+        pick = model._fused_decoder
+        model._fused_decoder = lambda *a: used.append(pick(*a)) or used[-1]
+        prompts = _prompts(folder)[:3]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=1),
+                            use_tqdm=False)
+    said = [r for r in caplog.records if "does not run mixture-of-experts" in r.getMessage()]
+    assert len(said) <= 1
+    from tokenmill.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is not None:
+        assert len(said) == 1
+    assert used and all(f is None for f in used), "decode steps must not run fused"
+    assert model.graph_capturable is False  # nor in CUDA graphs: the active experts change step to step
+    ref = reference_model(folder)
+    gaps = []
+    for ids, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1)
+        gaps += [float(lps[len(ids) + j - 1].max() - lps[len(ids) + j - 1][t]) for j, t in enumerate(gen)]
+    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
+
+
+def test_unsupported_architecture_lists_the_moe_ones(folders, tmp_path):
+    folder = tmp_path / "deepseek"
+    folder.mkdir()
+    source = folders["qwen3-moe"]
+    for f in os.listdir(source):
+        if f != "config.json":
+            os.symlink(os.path.join(source, f), folder / f)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"unsupported model architecture \['DeepseekV3ForCausalLM'\]; supported: .*"
+                                         r"MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+                                         r"Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+        LLM(str(folder), dtype="float32")

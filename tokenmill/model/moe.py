@@ -1,0 +1,152 @@
+"""Mixture-of-experts feed-forward: a router picks each token's top-k experts, and the experts run grouped.
+
+Grouped: a step's (token, expert) pairs are sorted by expert, and each expert with at least one token
+multiplies all of its tokens' rows at once: one product per active expert and weight matrix, whatever the
+number of tokens (the Python loop is over experts, never over tokens). A decode step of many requests thus
+reads each chosen expert's weights once. The weighted outputs are scattered back onto their tokens with
+one index_add.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.cpu import linear
+from tokenmill.model.description import MoESpec
+from tokenmill.model.layers import GatedMLP, Linear, gated
+
+# An expert's weight in Hugging Face naming: "<...>.experts.<e>.gate_proj.weight" one expert at a time, or
+# "<...>.experts.gate_proj.weight" for all experts stacked [E, rows, cols] (GGUF's ffn_*_exps tensors).
+EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight$")
+PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    """num_experts gated experts stacked: float gate_up_proj [E, 2I, H] (an expert's gate rows then its up rows,
+    one product for both) and down_proj [E, H, I]; or, from a GGUF file, any of gate, up and down as one
+    quantized matrix [E * rows, cols] in its block format, each expert's slice (a view) multiplied by that
+    format's kernel. Quantized gate and up stay two matrices (two products an expert): the file holds them
+    apart, and interleaving them per expert would copy them."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.activation = activation
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self._whole: list = [None, None, None]  # per part (gate, up, down): the stacked QuantizedWeight
+        self._slices: list = [None, None, None]  # per part: each expert's QuantizedWeight (views of the whole)
+        self._quantized: set[int] = set()
+
+    def _shape(self, part: int) -> tuple[int, int]:
+        """One expert's [rows, cols] of a part."""
+        return (self.hidden, self.intermediate) if part == 2 else (self.intermediate, self.hidden)
+
+    # ------------------------------------------------------------------ weights
+    def quantize_part(self, part: int) -> None:
+        """Before materialization: part (0 gate, 1 up, 2 down) will arrive quantized; its float copy goes
+        (gate and up share theirs, so both then arrive quantized)."""
+        self.register_parameter("down_proj" if part == 2 else "gate_up_proj", None)
+        self._quantized.add(part)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self._quantized)
+
+    @property
+    def qparts(self) -> list:
+        """The quantized matrices held (for the loader's accounting)."""
+        return [w for w in self._whole if w is not None]
+
+    def checkpoint_names(self, prefix: str, parts=range(3), experts=None) -> list[str]:
+        """Hugging Face names of the weights of `parts` of `experts` (default all), under module name prefix."""
+        experts = range(self.num_experts) if experts is None else experts
+        return [f"{prefix}.{e}.{PARTS[p]}.weight" for p in parts for e in experts]
+
+    def load(self, part: int, tensor, expert: int | None) -> None:
+        """One expert's float matrix of a part, or (expert None) all experts' stacked: float [E, rows, cols]
+        or a QuantizedWeight [E * rows, cols]."""
+        rows, cols = self._shape(part)
+        if not isinstance(tensor, torch.Tensor):
+            if expert is not None or part not in self._quantized:
+                raise ValueError(f"quantized expert weights ({PARTS[part]}) must arrive stacked, into a part "
+                                 "prepared for them")
+            if tensor.shape != (self.num_experts * rows, cols):
+                raise ValueError(f"stacked expert tensor has shape {tensor.shape}, expected "
+                                 f"{(self.num_experts * rows, cols)}")
+            from tokenmill.kernels.quant import QuantizedWeight
+
+            self._whole[part] = tensor
+            self._slices[part] = [QuantizedWeight(tensor.qtype, (rows, cols), tensor.data[e * rows:(e + 1) * rows])
+                                  for e in range(self.num_experts)]
+            return
+        if part in self._quantized:
+            raise ValueError(f"expert part {PARTS[part]} was prepared for quantized weights, got a float tensor")
+        expected = (rows, cols) if expert is not None else (self.num_experts, rows, cols)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"expert tensor has shape {tuple(tensor.shape)}, expected {expected}")
+        target = self.down_proj if part == 2 else self.gate_up_proj[:, part * rows:(part + 1) * rows]
+        with torch.no_grad():
+            (target if expert is None else target[expert]).copy_(tensor)
+
+    # ------------------------------------------------------------------ compute
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e over rows x [n, H] -> [n, H]: one product per weight matrix for all n rows."""
+        if self._slices[0] is None:
+            gate, up = linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+        else:
+            gate, up = self._slices[0][e].matmul(x), self._slices[1][e].matmul(x)
+        h = gated(gate, up, self.activation)
+        return linear(h, self.down_proj[e]) if self._slices[2] is None else self._slices[2][e].matmul(h)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; expert_ids, weights [T, k] -> [T, H]: sum over j of weights[t, j] * expert ids[t, j] (x[t])."""
+        k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, each group in token order
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // k
+        rows = x.index_select(0, token)
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self.expert(e, rows[start:start + n])
+                start += n
+        scaled = out * weights.reshape(-1)[order].unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, token, scaled.to(x.dtype))
+
+
+class SparseMoE(nn.Module):
+    """A layer's mixture-of-experts feed-forward: router (gate), experts, and Qwen2-MoE's shared expert."""
+
+    def __init__(self, hidden: int, spec: MoESpec, activation: str) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = Linear(hidden, spec.num_experts)  # the router
+        self.gate.keep_float = True  # its top-k choice is discrete: quantizing at load could flip it
+        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size, activation)
+        self.shared_expert = self.shared_expert_gate = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, spec.shared_intermediate_size, False, activation)
+            self.shared_expert_gate = Linear(hidden, 1)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights, [T, k] each: softmax (float32) over all the router's
+        logits, top k, renormalised where the description says (spec.norm_topk_prob)."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights if self.spec.weights_in_float else weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        y = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
