@@ -29,7 +29,7 @@ def prefix_block_hashes(token_ids: list[int], block_size: int, cache_salt: str |
 
 
 class PrefixRouter:
-    """Longest cached prefix first, fewest requests in flight as the tie-break.
+    """Longest cached prefix first, fewest requests in flight as the tie-break (then fewest blocks held).
 
     balance_threshold: when the replica with the longest prefix has this many more requests in flight than
     the least loaded one, the request goes to the least loaded instead (a hot prefix must not pile every
@@ -57,7 +57,8 @@ class PrefixRouter:
         candidates = [i for i, ok in enumerate(available) if ok]
         if not candidates:
             raise LookupError("no replica is available")
-        best = max(candidates, key=lambda i: (self.score(i, hashes), -loads[i], -i))
+        # On equal prefix and load, the replica holding fewer blocks: new prefixes spread over the replicas.
+        best = max(candidates, key=lambda i: (self.score(i, hashes), -loads[i], -len(self.tables[i]), -i))
         least = min(candidates, key=lambda i: (loads[i], i))
         if self.balance_threshold is not None and loads[best] - loads[least] >= self.balance_threshold:
             return least
