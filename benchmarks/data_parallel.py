@@ -8,10 +8,12 @@ as when the tenants' prompts together outgrow one replica's cache. The prefix-ca
 prompt tokens reported in the responses' usage over the ideal: every request but each tenant's first finds
 all its system prompt's full blocks cached.
 
-Throughput: unique prompts (no shared prefix), all sent at once with a fixed number in flight; DP=2 with
-one thread per replica against one server (DP=1) with both threads. Output tokens per second of the whole run.
+Throughput: unique prompts (no shared prefix), a fixed number in flight until all are done; DP=2 with one
+thread per replica against one server (DP=1) with both threads, both servers up, runs alternating (medians).
+Output tokens per second of each whole run.
 
     python benchmarks/data_parallel.py [--model MODEL] [--requests 48] [--rate 0.6] [--kv-cache-memory 112MiB]
+                                       [--skip-routing] [--skip-throughput] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ async def run_closed_loop(url: str, prompts: list[list[int]], max_tokens: int, c
         async def worker():
             nonlocal tokens
             while queue:
-                tokens += (await stream_one(client, url, queue.pop(), max_tokens, ignore_eos=True))["tokens"]
+                done = await stream_one(client, url, queue.pop(), max_tokens, ignore_eos=True)
+                tokens += done["tokens"]
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -150,10 +153,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.6, help="mean arrivals per second")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="112MiB", help="per replica, in the routing runs")
-    ap.add_argument("--throughput-requests", type=int, default=32)
+    ap.add_argument("--throughput-requests", type=int, default=48)
     ap.add_argument("--throughput-prompt-len", type=int, default=200)
-    ap.add_argument("--throughput-max-tokens", type=int, default=96)
+    ap.add_argument("--throughput-max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="throughput runs of each server")
+    ap.add_argument("--skip-routing", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -177,7 +182,7 @@ def main() -> None:
           f"{args.requests} requests at {args.rate}/s (Poisson), {args.max_tokens} tokens each; "
           f"{cpus} CPUs; KV cache {args.kv_cache_memory} per replica")
     results = {}
-    for router in ("prefix", "round_robin"):
+    for router in () if args.skip_routing else ("prefix", "round_robin"):
         server = Server(model, "--data-parallel-size", "2", "--router", router, "--kv-cache-memory",
                         args.kv_cache_memory)
         try:
@@ -191,7 +196,8 @@ def main() -> None:
         print(f"  DP=2 {router:<11}: TTFT p50 {statistics.median(ttfts) * 1e3:7.0f} ms, p90 "
               f"{pct(ttfts, 0.9) * 1e3:7.0f} ms; prefix-cache hits {hit * 100:5.1f}% of ideal; "
               f"requests per replica {per_replica}")
-    print(f"  TTFT p50 round_robin / prefix: {results['round_robin'] / results['prefix']:.2f}x")
+    if results:
+        print(f"  TTFT p50 round_robin / prefix: {results['round_robin'] / results['prefix']:.2f}x")
 
     if args.skip_throughput:
         return
@@ -200,18 +206,24 @@ def main() -> None:
                for _ in range(args.throughput_requests)]
     print(f"throughput: {args.throughput_requests} unique {args.throughput_prompt_len}-token prompts x "
           f"{args.throughput_max_tokens} tokens, {args.concurrency} in flight")
-    rates = {}
-    for name, replicas in (("DP=1", 1), ("DP=2", 2)):
-        server = Server(model, "--data-parallel-size", str(replicas), "--no-enable-prefix-caching")
-        try:
-            asyncio.run(run_closed_loop(server.url, prompts[:4], 8, 4))  # warm-up
-            rates[name] = asyncio.run(run_closed_loop(server.url, prompts, args.throughput_max_tokens,
-                                                      args.concurrency))
-        finally:
+    servers = {"DP=1": Server(model, "--no-enable-prefix-caching")}
+    try:
+        servers["DP=2"] = Server(model, "--data-parallel-size", "2", "--no-enable-prefix-caching")
+        rates: dict[str, list[float]] = {name: [] for name in servers}
+        for name, server in servers.items():  # warm-up
+            asyncio.run(run_closed_loop(server.url, prompts[:4], 8, 4))
+        for _ in range(args.rounds):
+            for name, server in servers.items():
+                rates[name].append(asyncio.run(run_closed_loop(server.url, prompts, args.throughput_max_tokens,
+                                                               args.concurrency)))
+    finally:
+        for server in servers.values():
             server.stop()
-        threads = cpus if replicas == 1 else max(1, cpus // replicas)
-        print(f"  {name} ({threads} thread(s) per engine): {rates[name]:7.1f} output tokens/s")
-    print(f"  DP=2 / DP=1: {rates['DP=2'] / rates['DP=1']:.2f}x")
+    for name, runs in rates.items():
+        threads = cpus if name == "DP=1" else max(1, cpus // 2)
+        print(f"  {name} ({threads} thread(s) per engine): {statistics.median(runs):7.1f} output tokens/s "
+              f"(median of {', '.join(f'{r:.1f}' for r in runs)})")
+    print(f"  DP=2 / DP=1: {statistics.median(rates['DP=2']) / statistics.median(rates['DP=1']):.2f}x")
 
 
 if __name__ == "__main__":

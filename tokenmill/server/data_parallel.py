@@ -270,24 +270,25 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?( .*)$")
 
 def merge_metrics(texts: dict[int, str]) -> str:
     """The replicas' Prometheus texts as one, each sample labelled replica="i", each family stated once."""
-    families: dict[str, list[str]] = {}  # family -> its HELP and TYPE lines, then the samples
+    heads: dict[str, list[str]] = {}  # family -> its HELP and TYPE lines
+    samples: dict[str, list[str]] = {}
     for replica, text in texts.items():
         family = None
         for line in text.splitlines():
-            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            if line.startswith(("# HELP ", "# TYPE ")):
                 family = line.split(" ", 3)[2]
-                lines = families.setdefault(family, [])
-                if len([x for x in lines if x.startswith("#")]) < 2 and line not in lines:
-                    lines.insert(len([x for x in lines if x.startswith("#")]), line)
+                head = heads.setdefault(family, [])
+                if len(head) < 2 and line not in head:
+                    head.append(line)
+                samples.setdefault(family, [])
                 continue
             m = _SAMPLE.match(line)
             if m is None or family is None:
                 continue
             name, labels, rest = m.groups()
-            tag = f'replica="{replica}"'
-            labels = "{" + (labels[1:-1] + "," if labels and labels != "{}" else "") + tag + "}"
-            families[family].append(name + labels + rest)
-    return "".join(line + "\n" for lines in families.values() for line in lines)
+            inner = labels[1:-1] + "," if labels and labels != "{}" else ""
+            samples[family].append(f'{name}{{{inner}replica="{replica}"}}{rest}')
+    return "".join(line + "\n" for family in heads for line in heads[family] + samples[family])
 
 
 # ---------------------------------------------------------------------- the app
@@ -311,8 +312,9 @@ def build_front_app(state: FrontState) -> FastAPI:
             await asyncio.get_running_loop().run_in_executor(None, state.replicas.stop)
             await state.client.aclose()
 
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible LLM inference server (data-parallel front)")
+    # The API's description and its docs page come from a replica, through the catch-all route.
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -373,8 +375,9 @@ def build_front_app(state: FrontState) -> FastAPI:
         require_key(request)
         for r in state.replicas:
             if r.ready:
-                await state.client.post(r.url + "/reset_prefix_cache",
-                                        headers={"authorization": f"Bearer {state.secret}"})
+                with contextlib.suppress(httpx.HTTPError):  # a replica that just died has no cache to reset
+                    await state.client.post(r.url + "/reset_prefix_cache",
+                                            headers={"authorization": f"Bearer {state.secret}"})
             state.router.forget(r.index)
         return {"status": "ok"}
 
