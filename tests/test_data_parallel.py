@@ -19,6 +19,7 @@ from tokenmill.server.data_parallel import merge_metrics
 from tokenmill.server.router import PrefixRouter, RoundRobinRouter, prefix_block_hashes
 
 BS = 16
+KEY = {"authorization": "Bearer sekret"}  # the front's key; the replicas have their own
 
 
 def blocks(*prefixes: int, tail: int = 0) -> list[bytes]:
@@ -141,7 +142,7 @@ class Front(ServerProcess):
 @pytest.fixture(scope="module")
 def front(tiny_models):
     srv = Front(tiny_models["llama"], "--dtype", "float32", "--data-parallel-size", "2", "--kv-cache-memory", "4MiB",
-                "--num-scheduler-steps", "1", "--served-model-name", "tiny")
+                "--num-scheduler-steps", "1", "--served-model-name", "tiny", "--api-key", "sekret")
     seen: set[int] = set()
     try:
         srv.wait_all_ready()
@@ -164,7 +165,7 @@ def _safe_pids(srv) -> list[int]:
 
 def _complete(front, prompt, **kw) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, **kw}
-    return httpx.post(front.url + "/v1/completions", json=body, timeout=60)
+    return httpx.post(front.url + "/v1/completions", json=body, timeout=60, headers=KEY)
 
 
 def test_front_routes_by_prefix_then_load(front):
@@ -181,7 +182,7 @@ def test_front_routes_by_prefix_then_load(front):
     assert front.replica_metric("tokenmill:prefix_cache_hits_total", home) >= hits_before + 8 * BS
     # A new prefix while home is busy with a long stream goes to the other (less loaded) replica.
     other = 1 - home
-    with httpx.stream("POST", front.url + "/v1/completions", timeout=60,
+    with httpx.stream("POST", front.url + "/v1/completions", timeout=60, headers=KEY,
                       json={"model": "tiny", "prompt": system + [5], "max_tokens": 300, "ignore_eos": True,
                             "stream": True}) as busy:
         assert int(busy.headers["x-tokenmill-replica"]) == home
@@ -191,7 +192,7 @@ def test_front_routes_by_prefix_then_load(front):
         assert int(_complete(front, system + [41]).headers["x-tokenmill-replica"]) == home
     # Chat requests are routed on the prompt the chat template renders: one long system message, one home.
     messages = [{"role": "system", "content": "You answer questions about the mill. " * 12}]
-    homes = {httpx.post(front.url + "/v1/chat/completions", timeout=60,
+    homes = {httpx.post(front.url + "/v1/chat/completions", timeout=60, headers=KEY,
                         json={"model": "tiny", "max_tokens": 2, "messages": messages + [{"role": "user", "content": q}]}
                         ).headers["x-tokenmill-replica"] for q in ("why?", "how much flour?", "when")}
     assert len(homes) == 1
@@ -202,9 +203,23 @@ def test_front_routes_by_prefix_then_load(front):
         assert f'tokenmill:num_requests_running{{model_name="tiny",replica="{i}"}}' in metrics
 
 
+def test_front_keeps_the_api_key_and_relays_other_endpoints(front):
+    assert _complete(front, [5, 6, 7]).status_code == 200
+    refused = httpx.post(front.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1}, timeout=10)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(front.url + "/v1/models", timeout=10).status_code == 401
+    models = httpx.get(front.url + "/v1/models", timeout=10, headers=KEY)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+    assert "x-tokenmill-replica" in models.headers
+    ids = httpx.post(front.url + "/tokenize", json={"prompt": "the mill"}, timeout=10, headers=KEY).json()["tokens"]
+    assert httpx.post(front.url + "/detokenize", json={"tokens": ids}, timeout=10,
+                      headers=KEY).json()["prompt"].endswith("the mill")
+    assert "/v1/chat/completions" in httpx.get(front.url + "/openapi.json", timeout=10, headers=KEY).json()["paths"]
+
+
 def test_client_disconnect_aborts_at_the_replica(front):
     prompt = [(11 * i) % 300 + 3 for i in range(2 * BS)]
-    with httpx.stream("POST", front.url + "/v1/completions", timeout=60,
+    with httpx.stream("POST", front.url + "/v1/completions", timeout=60, headers=KEY,
                       json={"model": "tiny", "prompt": prompt, "max_tokens": 400, "ignore_eos": True,
                             "stream": True}) as r:
         replica = int(r.headers["x-tokenmill-replica"])
@@ -227,7 +242,7 @@ def test_killed_replica_fails_its_requests_cleanly_and_restarts(front):
     def whole():
         results["whole"] = _complete(front, prompt + [3], max_tokens=400, ignore_eos=True)
 
-    with httpx.stream("POST", front.url + "/v1/completions", timeout=60,
+    with httpx.stream("POST", front.url + "/v1/completions", timeout=60, headers=KEY,
                       json={"model": "tiny", "prompt": prompt + [2], "max_tokens": 400, "ignore_eos": True,
                             "stream": True}) as stream:
         assert int(stream.headers["x-tokenmill-replica"]) == victim

@@ -25,8 +25,8 @@ import httpx
 
 logger = logging.getLogger("tokenmill")
 
-RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 MAX_FAILED_STARTS = 3  # a replica that dies this many times in a row before it is ready is removed
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0)  # by deaths before ready in a row
 _WATCH_INTERVAL_S = 0.2
 
 
