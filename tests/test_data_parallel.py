@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.data_parallel import merge_metrics
+from tokenmill.server.replicas import MAX_FAILED_STARTS, ReplicaSet
 from tokenmill.server.router import PrefixRouter, RoundRobinRouter, prefix_block_hashes
 
 BS = 16
@@ -98,6 +100,27 @@ def test_merged_metrics_label_each_replica_once_per_family():
     assert 'tokenmill:x_total{model_name="m",replica="0"} 3.0' in merged
     assert 'tokenmill:x_total{model_name="m",replica="1"} 4.0' in merged
     assert merged.index('tokenmill:y{replica="1"} 1.0') > merged.index("# TYPE tokenmill:y gauge")
+
+
+def test_a_replica_that_keeps_dying_before_ready_is_removed():
+    class Exited:
+        returncode = 1
+
+        def poll(self):
+            return 1
+
+    died = []
+    replicas = ReplicaSet(argparse.Namespace(), 1, 1, "secret", on_death=died.append)
+    r = replicas[0]
+    r.status, r.proc = "ready", Exited()
+    replicas._died(r, now=100.0)  # a ready replica died: restart after the first back-off
+    assert (r.status, r.restart_at, r.failed_starts) == ("dead", 101.0, 0)
+    delays = []
+    for _ in range(MAX_FAILED_STARTS):
+        r.status = "starting"  # restarted, and died again before it was ready
+        replicas._died(r, now=100.0)
+        delays.append(r.restart_at - 100.0)
+    assert r.status == "removed" and delays[:-1] == [2.0, 4.0] and len(died) == 1 + MAX_FAILED_STARTS
 
 
 # ---------------------------------------------------------------------- a front and two replicas
