@@ -224,6 +224,8 @@ def test_front_routes_by_prefix_then_load(front):
     assert "tokenmill:router_prefix_hit_blocks_total" in metrics
     for i in (0, 1):  # each replica's own metrics, labelled
         assert f'tokenmill:num_requests_running{{model_name="tiny",replica="{i}"}}' in metrics
+    families = [line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE ")]
+    assert len(families) == len(set(families))  # each family once, or scrapers refuse the page
 
 
 def test_front_keeps_the_api_key_and_relays_other_endpoints(front):

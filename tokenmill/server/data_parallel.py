@@ -57,10 +57,11 @@ class FrontMetrics:
                                 "died.", per_replica, registry=r)
         self.failed = Counter("tokenmill:replica_failed_requests", "Requests that failed because their replica "
                               "stopped.", per_replica, registry=r)
-        # What app._guarded_protocol counts its refusals in.
-        self.refused_connections = Counter("tokenmill:connections_refused", "Connections refused at "
-                                           "--max-connections, or closed because their request headers did "
-                                           "not arrive in time.", ["model_name", "reason"], registry=r)
+        # What app._guarded_protocol counts its refusals in (named apart from the replicas' own, which the
+        # front's /metrics holds too: a family may appear once).
+        self.refused_connections = Counter("tokenmill:front_connections_refused", "Connections refused by the "
+                                           "front at --max-connections, or closed because their request headers "
+                                           "did not arrive in time.", ["model_name", "reason"], registry=r)
 
     def label(self, metric, replica: int):
         return metric.labels(self.model_name, str(replica))
