@@ -481,6 +481,13 @@ def run_server(args) -> int:
     """Run `tokenmill serve` until SIGTERM / Ctrl-C (exit 0) or an engine failure (exit 1)."""
     import uvicorn
 
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from tokenmill.server.data_parallel import run_front
+
+        return run_front(args)
+    if getattr(args, "data_parallel_size", 1) < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+
     from tokenmill.cli import engine_kwargs
     from tokenmill.llm import _configure_logging
 

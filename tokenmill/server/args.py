@@ -27,4 +27,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="accept a chat_template sent in a request (rendered in a sandbox)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (default: from its chat template, else hermes)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each a process with its own KV cache and CPU threads / N, behind this "
+                        "server, which routes each request to one of them (default 1: no replicas, one engine)")
+    g.add_argument("--router", default="prefix", choices=["prefix", "round_robin"],
+                   help="with --data-parallel-size > 1: prefix sends a request to the replica that most likely "
+                        "holds its longest prompt prefix in its cache (fewest requests in flight on a tie); "
+                        "round_robin: each replica in turn (default: prefix)")
     g.add_argument("--log-level", default="info", help="debug | info | warning | error")

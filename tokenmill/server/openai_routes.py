@@ -365,6 +365,15 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
 
 
 # ---------------------------------------------------------------------- chat
+def chat_prompt(tokenizer, body: ChatCompletionRequest, fns: dict, mode: str, fmt) -> str:
+    """The prompt text of a chat request as the chat template renders it, tools included (the data-parallel
+    front renders it the same way to route the request)."""
+    native = tools.template_handles_tools(body.chat_template or tokenizer.chat_template)
+    messages = tools.render_messages([m.as_dict() for m in body.messages], fns, mode, native, fmt)
+    listed = [{"type": "function", "function": f} for f in fns.values()] if native and mode != "none" else None
+    return apply_chat_template(tokenizer, messages, body.chat_template, body.add_generation_prompt, tools=listed)
+
+
 async def chat_completions(state: ServerState, body: ChatCompletionRequest, request: Request):
     engine = _admit(state, body.model, body.n)
     with _reservation(engine, body.n):
@@ -383,12 +392,8 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             tool_spec = tools.constraint(mode, names, fns, body.parallel_tool_calls, fmt) if calling else None
         except ValueError as e:
             raise APIError(400, f"the tools' schemas: {e}", param="tools") from None
-        native = tools.template_handles_tools(body.chat_template or state.tokenizer.chat_template)
         try:
-            messages = tools.render_messages([m.as_dict() for m in body.messages], fns, mode, native, fmt)
-            listed = [{"type": "function", "function": f} for f in fns.values()] if native and mode != "none" else None
-            prompt = apply_chat_template(state.tokenizer, messages, body.chat_template, body.add_generation_prompt,
-                                         tools=listed)
+            prompt = chat_prompt(state.tokenizer, body, fns, mode, fmt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template error (sandbox violation, bad syntax, raise_exception)
