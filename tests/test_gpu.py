@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ARCHS, PROMPTS, reference_model, teacher_forced_logits
+from tests.conftest import ARCHS, MOE_ARCHS, PROMPTS, reference_model, teacher_forced_logits
 from tests.test_reference import MODES, block_bytes
 from tests.test_sampling import LOGITS, N, expected
 from tokenmill import LLM, SamplingParams
@@ -95,8 +95,10 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch):
     more = llm.generate(prompt_ids[:5], params, use_tqdm=False)
     gaps5, lp_err5 = teacher_forced_errors(folder, prompt_ids[:5], more)
     gaps, lp_err = gaps + gaps5, lp_err + lp_err5
-    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < 0.5, (sum(lp_err) / len(lp_err), max(lp_err))
-    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
+    # Mixture-of-experts models may flip a token between two nearly equal experts in bf16 (test_reference.py).
+    worst, mean_gap = (2.0, 0.06) if arch in MOE_ARCHS else (0.5, 0.03)
+    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < worst, (sum(lp_err) / len(lp_err), max(lp_err))
+    assert sum(gaps) / len(gaps) < mean_gap and max(gaps) < 2 * worst, (sum(gaps) / len(gaps), max(gaps))
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

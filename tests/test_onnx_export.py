@@ -15,7 +15,7 @@ import torch
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from tests.conftest import ARCHS, PROMPTS  # noqa: E402
+from tests.conftest import DENSE_ARCHS, PROMPTS  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.cli import main  # noqa: E402
 from tokenmill.export.onnx import OPSET, export_onnx, io_names  # noqa: E402
@@ -87,7 +87,7 @@ def check_export(model: str, out_dir: str, prompts: list[list[int]], atol: float
     assert tok.encode("The quick brown fox") == llm.get_tokenizer().encode("The quick brown fox")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", DENSE_ARCHS)  # the export covers dense decoders
 def test_onnx_graph_gives_tokenmills_logits(tiny_models, tmp_path, arch):
     """A short and a long prompt in one left-padded batch (Gemma 3's window of 8 and Phi-3's LongRoPE switch
     at 24 lie inside the long one), then two decode steps with the cache."""
@@ -118,3 +118,10 @@ def test_export_errors_say_what_is_wrong(tiny_models, tmp_path, capsys):
     (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     assert main(["export", "onnx", str(folder), str(tmp_path / "out")]) == 2
     assert "unsupported model architecture ['GPT2LMHeadModel']" in capsys.readouterr().err
+
+
+def test_moe_models_are_refused_by_name(tiny_models, tmp_path):
+    """The export covers dense decoders: a mixture-of-experts model gets a clear error, and no partial graph."""
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        export_onnx(tiny_models["qwen3-moe"], str(tmp_path / "onnx"))
+    assert not (tmp_path / "onnx" / "model.onnx").exists()
