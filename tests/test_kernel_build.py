@@ -48,3 +48,31 @@ def test_simde_flags_need_avx2_fma_and_f16c(monkeypatch):
     monkeypatch.setenv("TOKENMILL_KERNELS_SIMDE", "1")  # the AVX2 build, asked for on an AVX-512 CPU
     flags = cpu.simd_cflags()
     assert flags[0] == "-DTOKENMILL_SIMDE" and flags[-1] == "-mno-avx512f"  # with no AVX-512 instruction
+
+
+@pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU has neither AVX-512 nor AVX2 with FMA and F16C")
+def test_a_build_killed_half_way_does_not_hang_later_loads():
+    """torch marks a build in progress with BUILD_DIR/lock; a build killed half-way leaves it behind, and every
+    later load used to wait for it forever. A fresh process now removes it (no live build holds the advisory
+    lock) and loads the kernels."""
+    import subprocess
+    import sys
+
+    if cpu.os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
+        pytest.skip("the kernels are switched off (TOKENMILL_DISABLE_CPU_KERNELS)")
+    stale = [os.path.join(os.path.dirname(m.__file__), "lock") for m in (cpu.load(), quant.load())]
+    try:
+        for path in stale:
+            open(path, "w").close()  # as a killed build leaves it
+        code = ("from tokenmill.kernels import cpu, quant\n"
+                "print(cpu.load() is not None, quant.load() is not None)")
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("loading the kernels waited on a build lock that no process holds")
+        assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+        assert not any(os.path.exists(p) for p in stale)
+    finally:
+        for path in stale:
+            if os.path.exists(path):
+                os.remove(path)

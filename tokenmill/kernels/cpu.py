@@ -229,11 +229,36 @@ class ThreadGovernor:
         return {"steps": self.steps, "solo_steps": self.solo_steps, "switches": self.switches}
 
 
+def compile_kernels(name: str, **kwargs) -> object:
+    """torch's cpp_extension.load(name=name, **kwargs), safe against a build that was killed half-way.
+
+    torch marks a build in progress with a file, BUILD_DIR/lock, which a killed build leaves behind; every
+    later load of that module then waits for it forever (a server stuck at "loading" after a first start
+    was interrupted). Around the load, this holds an advisory lock (fcntl) of its own, which the kernel
+    releases when its holder dies: whoever holds it knows that no live tokenmill process is building, so a
+    lock file still there is stale and goes."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load as compile_extension
+
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build_dir = _get_build_directory(name, verbose=False)
+    except Exception:  # a torch without it: its own locking alone
+        return compile_extension(name=name, **kwargs)
+    with open(os.path.join(build_dir, "tokenmill-build.lock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # a live build in another process: wait for it
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a kernel build that did not finish", stale)
+            os.remove(stale)
+        return compile_extension(name=name, **kwargs)
+
+
 def build(source: str) -> object:
     """Compiles a kernel source file (this package's, or another version of it to compare against) for
     this CPU: with its AVX-512 BF16 instructions where it has them, emulated where it does not."""
-    from torch.utils.cpp_extension import load as compile_extension
-
     digest = hashlib.sha256()
     for path in [source, *_HEADERS]:
         with open(path, "rb") as f:
@@ -244,8 +269,8 @@ def build(source: str) -> object:
     if simd is None:
         raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA and F16C (or simde-py is missing)")
     digest.update(" ".join(sorted(_cpu_flags()) + simd).encode())
-    return compile_extension(
-        name=f"tokenmill_cpu_kernels_{digest.hexdigest()[:12]}", sources=[source],
+    return compile_kernels(
+        f"tokenmill_cpu_kernels_{digest.hexdigest()[:12]}", sources=[source],
         extra_cflags=["-O3", "-march=native", f"-I{_DIR}", "-fopenmp", *simd], extra_ldflags=["-fopenmp"],
         verbose=False)
 

@@ -43,20 +43,18 @@ def build(portable: bool = False):
     """Compiles the kernels for this CPU (-march=native), or, portable=True, without any vector extension
     beyond the x86-64 baseline (the path CPUs with neither AVX-512 BW nor AVX2 take; built so it can be
     tested)."""
-    from torch.utils.cpp_extension import load as compile_extension
-
     digest = hashlib.sha256()
     for path in _SOURCES:
         with open(path, "rb") as f:
             digest.update(f.read())
     # -march=native: the build is for this CPU, so the name carries its flags as well as the sources.
-    from tokenmill.kernels.cpu import simd_cflags
+    from tokenmill.kernels.cpu import compile_kernels, simd_cflags
 
     simd = [] if portable else (simd_cflags() or [])  # SIMDe's flags on AVX2 CPUs
     digest.update(b"portable" if portable else (_cpu_flags() + " ".join(simd)).encode())
     arch = "-march=x86-64" if portable and platform.machine() in ("x86_64", "AMD64") else "-march=native"
-    return compile_extension(
-        name=f"tokenmill_quant_kernels_{digest.hexdigest()[:12]}", sources=[_SOURCES[0]],
+    return compile_kernels(
+        f"tokenmill_quant_kernels_{digest.hexdigest()[:12]}", sources=[_SOURCES[0]],
         extra_cflags=["-O3", arch, "-fopenmp", *simd], extra_ldflags=["-fopenmp"], verbose=False)
 
 
