@@ -477,10 +477,23 @@ def _raise_open_files_limit(connections: int) -> None:
                            connections)
 
 
-def run_server(args) -> int:
-    """Run `tokenmill serve` until SIGTERM / Ctrl-C (exit 0) or an engine failure (exit 1)."""
+def make_server(app, state, args):
+    """The uvicorn server for `app` under the serve flags' limits (body size and read timeout, the
+    connection cap and header timeout, the drain and cut-off at shutdown); also state.server."""
     import uvicorn
 
+    config = uvicorn.Config(BodyLimits(app, args.max_body_bytes, args.body_read_timeout), host=args.host,
+                            port=args.port, log_level=args.log_level.lower(),
+                            http=_guarded_protocol(state, args.max_connections, args.body_read_timeout),
+                            timeout_graceful_shutdown=int(args.shutdown_timeout + _CUT_OFF_GRACE_S + 0.999),
+                            access_log=False)
+    _raise_open_files_limit(args.max_connections)
+    state.server = _graceful_server_class()(config, state)
+    return state.server
+
+
+def run_server(args) -> int:
+    """Run `tokenmill serve` until SIGTERM / Ctrl-C (exit 0) or an engine failure (exit 1)."""
     if getattr(args, "data_parallel_size", 1) > 1:
         from tokenmill.server.data_parallel import run_front
 
@@ -494,14 +507,7 @@ def run_server(args) -> int:
     _configure_logging()
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())
     state = ServerState(args, engine_kwargs(args))
-    app = BodyLimits(build_app(state), args.max_body_bytes, args.body_read_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            http=_guarded_protocol(state, args.max_connections, args.body_read_timeout),
-                            timeout_graceful_shutdown=int(args.shutdown_timeout + _CUT_OFF_GRACE_S + 0.999),
-                            access_log=False)
-    _raise_open_files_limit(args.max_connections)
-    server = _graceful_server_class()(config, state)
-    state.server = server
+    server = make_server(build_app(state), state, args)
     logger.info("tokenmill %s listening on http://%s:%d (model loading)", __version__, args.host, args.port)
     try:
         server.run()

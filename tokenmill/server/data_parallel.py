@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from tokenmill import __version__
-from tokenmill.server.app import APIError, BodyLimits, _default_name, _graceful_server_class, _guarded_protocol
+from tokenmill.server.app import APIError, _default_name
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from tokenmill.server.replicas import Replica, ReplicaSet
 from tokenmill.server.router import make_router, prefix_block_hashes
@@ -393,11 +393,9 @@ def build_front_app(state: FrontState) -> FastAPI:
 
 def run_front(args) -> int:
     """Run the front and its replicas until SIGTERM / Ctrl-C; exit 0, or 1 if no replica ever became ready."""
-    import uvicorn
-
     from tokenmill.llm import _configure_logging
     from tokenmill.model.hub import resolve_model_path
-    from tokenmill.server.app import _CUT_OFF_GRACE_S, _raise_open_files_limit
+    from tokenmill.server.app import make_server
     from tokenmill.server.router import ROUTERS
 
     _configure_logging()
@@ -407,14 +405,7 @@ def run_front(args) -> int:
     model_path = resolve_model_path(args.model)  # fetched once here, not by every replica at once
     state = FrontState(args, model_path)
     args.model, args.served_model_name = model_path, state.model_name  # what the replicas load and answer to
-    app = BodyLimits(build_front_app(state), args.max_body_bytes, args.body_read_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            http=_guarded_protocol(state, args.max_connections, args.body_read_timeout),
-                            timeout_graceful_shutdown=int(args.shutdown_timeout + _CUT_OFF_GRACE_S + 0.999),
-                            access_log=False)
-    _raise_open_files_limit(args.max_connections)
-    server = _graceful_server_class()(config, state)
-    state.server = server
+    server = make_server(build_front_app(state), state, args)
     logger.info("tokenmill %s listening on http://%s:%d: %d replicas (%d thread(s) each), %s router",
                 __version__, args.host, args.port, args.data_parallel_size, state.threads, args.router)
     try:
