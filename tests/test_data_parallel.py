@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -318,3 +319,28 @@ def test_killed_front_takes_its_replicas_along(tiny_models):
         _wait(lambda: not any(_alive(p) for p in pids), 15, "the replicas to die with the front")
     finally:
         srv.stop()
+
+
+def test_a_hung_replica_is_killed_and_restarted(tiny_models):
+    """A replica that is alive but answers nothing (here stopped with SIGSTOP) is killed after
+    --replica-hang-timeout seconds without an answer to the front's health probes, and restarted; the other
+    replica serves meanwhile."""
+    srv = Front(tiny_models["llama"], "--dtype", "float32", "--data-parallel-size", "2", "--kv-cache-memory", "4MiB",
+                "--replica-hang-timeout", "2")
+    pids: list[int] = []
+    try:
+        pids = srv.pids() if srv.wait_all_ready() else []
+        os.kill(pids[0], signal.SIGSTOP)
+        _wait(lambda: not _alive(pids[0]), 20, "the stopped replica to be killed")
+        _wait(lambda: srv.pids()[0] != pids[0], 10, "the replica's death to be noticed")
+        health = srv.wait_all_ready(60)
+        assert health["replicas"][0]["pid"] != pids[0] and health["replicas"][0]["restarts"] == 1
+        assert health["replicas"][1]["pid"] == pids[1] and health["replicas"][1]["restarts"] == 0
+        pids.append(health["replicas"][0]["pid"])
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        srv.stop()
+        _wait(lambda: not any(_alive(p) for p in pids), 15, "the replicas to exit")

@@ -34,4 +34,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="with --data-parallel-size > 1: prefix sends a request to the replica that most likely "
                         "holds its longest prompt prefix in its cache (fewest requests in flight on a tie); "
                         "round_robin: each replica in turn (default: prefix)")
+    g.add_argument("--replica-hang-timeout", type=float, default=60.0,
+                   help="with --data-parallel-size > 1: a replica that answers no health probe for this many "
+                        "seconds (alive but stopped or deadlocked) is killed, failing its requests, and restarted "
+                        "(default 60; 0: never)")
     g.add_argument("--log-level", default="info", help="debug | info | warning | error")

@@ -48,6 +48,9 @@ class Replica:
     restart_at: float = 0.0
     kv_cache_blocks: int | None = None
     started: float = field(default_factory=time.monotonic)
+    last_answer: float = 0.0  # when it last answered a health probe (monotonic), once ready
+    last_probe: float = 0.0
+    probing: bool = False
 
     @property
     def url(self) -> str:
@@ -77,6 +80,10 @@ class ReplicaSet:
         self.on_death = on_death or (lambda replica: None)
         self.on_start = on_start or (lambda replica: None)
         self.stopping = False
+        # A ready replica that answers no health probe for this long (alive, but stopped or deadlocked) is
+        # killed, and so fails its requests and restarts as a crashed one does.
+        self.hang_timeout = float(getattr(args, "replica_hang_timeout", 60.0) or 0.0)
+        self._probes: set[asyncio.Task] = set()  # held, so that the loop does not drop a running probe
 
     def __getitem__(self, i: int) -> Replica:
         return self.replicas[i]
@@ -90,7 +97,7 @@ class ReplicaSet:
     # ------------------------------------------------------------------ processes
     def child_args(self, port: int) -> dict:
         """The child's `serve` arguments: the front's, on a private port, with the shared secret as its key."""
-        skip = {"func", "data_parallel_size", "router", "api_key"}
+        skip = {"func", "data_parallel_size", "router", "api_key", "replica_hang_timeout"}
         child = {k: v for k, v in vars(self.args).items() if k not in skip}
         child.update(host="127.0.0.1", port=port, data_parallel_size=1, parent_pid=os.getpid(),
                      # The front decides when to cut requests off at shutdown; a child then stops at once.
@@ -154,7 +161,35 @@ class ReplicaSet:
                     self.spawn(r)
                 elif r.status == "starting":
                     await self._check_ready(client, r)
+                elif r.status == "ready" and self.hang_timeout > 0:
+                    self._check_alive(client, r, now)
             await asyncio.sleep(_WATCH_INTERVAL_S)
+
+    def _check_alive(self, client: httpx.AsyncClient, r: Replica, now: float) -> None:
+        """Probes a ready replica's /health now and then (in a task of its own: a stopped replica holds the
+        probe until its timeout); kills it once it has answered none for hang_timeout seconds."""
+        if now - r.last_answer > self.hang_timeout:
+            logger.error("replica %d: no answer to health probes for %.0f s; killing it (pid %d)", r.index,
+                         now - r.last_answer, r.pid)
+            r.proc.kill()  # noticed as a death at the next pass, and restarted
+            return
+        if r.probing or now - r.last_probe < min(5.0, self.hang_timeout / 4):
+            return
+        r.probing, r.last_probe = True, now
+
+        async def probe(proc=r.proc):
+            try:
+                answer = await client.get(r.url + "/health", timeout=self.hang_timeout)
+                if answer.status_code == 200 and r.proc is proc:
+                    r.last_answer = time.monotonic()
+            except httpx.HTTPError:
+                pass
+            finally:
+                r.probing = False
+
+        task = asyncio.get_running_loop().create_task(probe())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def _died(self, r: Replica, now: float) -> None:
         code = r.proc.returncode
@@ -183,7 +218,7 @@ class ReplicaSet:
         except (httpx.HTTPError, ValueError):
             return
         if r.status == "starting" and r.proc.poll() is None:
-            r.status, r.failed_starts = "ready", 0
+            r.status, r.failed_starts, r.last_answer = "ready", 0, time.monotonic()
             logger.info("replica %d: ready after %.1f s", r.index, time.monotonic() - r.started)
             self.on_ready(r)
 
