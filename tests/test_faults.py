@@ -39,7 +39,10 @@ def test_a_failing_output_fails_only_its_request(tiny_models):
         try:
             params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
             tok = llm.get_tokenizer()
-            bad = engine.generate("bad", tok.encode(PROMPTS[0]), params)
+            # The failing request runs long enough to be still running when the breakage lands (the tiny
+            # model decodes ~1,000 tokens a second: 12 tokens could all be done by then).
+            long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            bad = engine.generate("bad", tok.encode(PROMPTS[0]), long)
             good = engine.generate("good", tok.encode(PROMPTS[1]), params)
             first_bad = await bad.__anext__()  # both are queued and running now
             engine.call(lambda e: _break_detokenizer(e, "bad"))
