@@ -352,10 +352,9 @@ def quantized_plan(reader: GGUFFile) -> set[str]:
                 and "norm" not in hf:
             candidates.add(hf)
         else:
-            without_kernel.setdefault(t.tensor_type.name, []).append(t.name)
-    for name, names in without_kernel.items():
-        logger.info("%s: %d tensors dequantized at load (e.g. %s)", name if name.startswith("experts") else
-                    f"no kernel for {name}", len(names), names[0])
+            without_kernel.setdefault(f"no kernel for {t.tensor_type.name}", []).append(t.name)
+    for why, names in without_kernel.items():
+        logger.info("%s: %d tensors dequantized at load (e.g. %s)", why, len(names), names[0])
     if candidates and quant.load() is None:
         logger.warning("quantized-weight kernels unavailable: every quantized tensor is dequantized at load")
         return set()

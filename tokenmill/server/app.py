@@ -241,6 +241,16 @@ async def _send_json(send, status: int, body: dict, close: bool = False) -> None
 
 
 # ---------------------------------------------------------------------- the app
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """Raises a 401 APIError unless the request carries `Authorization: Bearer <api_key>` (None: no key set)."""
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", "authentication_error")
+
+
 def build_app(state: ServerState) -> FastAPI:
     from contextlib import asynccontextmanager
 
@@ -295,13 +305,7 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body("internal server error", "server_error", 500), 500)
 
     async def require_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "authentication_error")
+        check_api_key(request, state.api_key)
 
     guarded = [Depends(require_key)]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import re
@@ -24,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from tokenmill import __version__
-from tokenmill.server.app import APIError, _default_name
+from tokenmill.server.app import APIError, _default_name, check_api_key
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from tokenmill.server.replicas import Replica, ReplicaSet
 from tokenmill.server.router import make_router, prefix_block_hashes
@@ -149,8 +148,7 @@ class FrontState:
         try:
             i = self.router.choose(hashes, [r.in_flight for r in self.replicas], available)
         except LookupError:
-            raise APIError(503, "no replica is ready to serve; retry shortly", "service_unavailable",
-                           headers={"Retry-After": "2"}) from None
+            raise _no_replica() from None
         self.metrics.query_blocks.inc(len(hashes))
         self.metrics.hit_blocks.inc(self.router.score(i, hashes))
         self.router.record(i, hashes)
@@ -160,12 +158,16 @@ class FrontState:
     def any_ready(self, exclude: set[int] = frozenset()) -> Replica:
         ready = [r for r in self.replicas if r.ready and r.index not in exclude]
         if not ready:
-            raise APIError(503, "no replica is ready to serve; retry shortly", "service_unavailable",
-                           headers={"Retry-After": "2"})
+            raise _no_replica()
         return min(ready, key=lambda r: (r.in_flight, r.index))
 
 
 # ---------------------------------------------------------------------- relaying
+def _no_replica() -> APIError:
+    return APIError(503, "no replica is ready to serve; retry shortly", "service_unavailable",
+                    headers={"Retry-After": "2"})
+
+
 async def _until_disconnect(request: Request, coro):
     """Await coro, cancelling it (None) if the client leaves first: a whole answer is sent only at its end,
     so only the connection tells that nobody waits for it."""
@@ -327,13 +329,8 @@ def build_front_app(state: FrontState) -> FastAPI:
         return JSONResponse(error_body("internal server error", "server_error", 500), 500)
 
     def require_key(request: Request) -> None:
-        if state.api_key is None or request.url.path in _OPEN_PATHS:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "authentication_error")
+        if request.url.path not in _OPEN_PATHS:
+            check_api_key(request, state.api_key)
 
     @app.get("/health")
     async def health():
