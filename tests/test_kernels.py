@@ -179,6 +179,52 @@ def test_paged_decode_attention_is_the_same_in_any_batch(dtype, window):
         assert torch.equal(apart, together[rows]), rows
 
 
+def _verify_rows(request_lens, other_lens, seed):
+    """A step's rows that verify positions of one request (one block table, lengths one apart) between the
+    first of other requests and the rest: (the request's row indices, block tables, lengths, cache slots)."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(request_lens + other_lens) // 16)
+    blocks = torch.randperm(width * (len(other_lens) + 1), generator=g).reshape(-1, width)  # scattered
+    own, others = blocks[0], list(blocks[1:])
+    tables = others[:1] + [own] * len(request_lens) + others[1:]
+    lens = other_lens[:1] + request_lens + other_lens[1:]
+    return list(range(1, 1 + len(request_lens))), torch.stack(tables), torch.tensor(lens), blocks.numel() * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("start,k", [(3, 3), (30, 4), (62, 4), (300, 3), (1000, 8), (95, 16)])
+@pytest.mark.parametrize("plan_threads", [0, 3, 8])
+def test_paged_decode_attention_verifies_a_request_s_positions_as_alone(dtype, window, start, k, plan_threads):
+    """Positions L..L+k of one request as rows of one step (what verifying k proposals asks), beside other
+    requests: each row's output is, bit for bit, what a plain decode step of that position alone computes
+    (so speculation changes no greedy output), and matches float64 attention. Planned for more threads
+    than this machine may have, short requests split per KV head: a row's token ranges must not change
+    with that (lengths around 64 and 96 cross where a request's tokens split into more ranges)."""
+    d, h, kvh, bs = 64, 9, 3, 16
+    rows, bt, lens_t, slots = _verify_rows(list(range(start, start + k + 1)), [40, 700], seed=start + k)
+    g = torch.Generator().manual_seed(k)
+    k_cache = torch.randn(slots, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kvh, d, generator=g).to(dtype)
+    q = torch.randn(len(lens_t), h, d, generator=g).to(dtype)
+    scale = d ** -0.5
+    kernel.set_plan_threads(plan_threads)
+    try:
+        together = kernel.paged_decode_attention(q, k_cache, v_cache, bt, lens_t, bs, scale, window or 0)
+        for r in range(len(lens_t)):
+            alone = kernel.paged_decode_attention(q[r:r + 1], k_cache, v_cache, bt[r:r + 1], lens_t[r:r + 1], bs,
+                                                  scale, window or 0)
+            assert torch.equal(alone[0], together[r]), (r, int(lens_t[r]))
+        just_them = kernel.paged_decode_attention(q[rows], k_cache, v_cache, bt[rows], lens_t[rows], bs, scale,
+                                                  window or 0)
+        assert torch.equal(just_them, together[rows])
+    finally:
+        kernel.set_plan_threads(0)
+    ref = _dense_reference(q, k_cache, v_cache, bt, lens_t, bs, window, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(together.double(), ref, atol=tol, rtol=tol)
+
+
 def test_argmax_matches_torch():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 49157, generator=g)  # a length that leaves a tail after the 16-wide steps

@@ -630,7 +630,7 @@ constexpr const char* kHeadDims = "head_dim must be a multiple of 16 up to 128, 
 // its slot, so a part reads each block front to back, a stream the hardware prefetches (parts of one
 // head each read every third row piece, and mostly wait for memory). Each request's tokens are split
 // into one range per planned thread, while ranges stay kMinChunk tokens or longer; where that leaves
-// fewer parts than threads (one short request), parts go per KV head instead. Parts are then merged
+// fewer parts than threads (one short request), parts go per KV head as well. Parts are then merged
 // per query head: with M the largest m, out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
 // A request's ranges depend on its own context length alone, never on the other requests of the step
 // (a per-head split sums each head as one range does): its numbers are the same in any batch, so a
@@ -659,8 +659,9 @@ struct AttentionPlan {
       chunks[b] = std::max<int64_t>(1, std::min<int64_t>(threads, len / kMinChunk));
       total += chunks[b];
     }
+    // Fewer parts than threads: each range splits further, per KV head. Its ranges stay as they are (a
+    // head's sums do not depend on which other heads share its part; its ranges would).
     const bool per_head = total < threads;
-    if (per_head) std::fill(chunks.begin(), chunks.end(), 1);
     head_groups = per_head ? KVH : 1;
     heads_per_group = per_head ? 1 : KVH;
     first[0] = 0;
