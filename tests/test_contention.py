@@ -83,6 +83,30 @@ def test_a_team_lagging_behind_a_busy_core_goes_on_with_one_thread(tiny_models):
     assert noticed >= 1 and one_thread >= 64, (calls2 - calls, solo2 - solo, lagged2 - lagged, governor.stats())
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels")
+def test_a_team_goes_on_with_one_thread_after_two_lagging_calls_in_a_row(tiny_models):
+    """The team's rule on made-up lags: one call in which a thread waited most of the time at barriers
+    (a paused virtual CPU, an interrupt: seen on a quiet machine) changes nothing; two in a row send the
+    next 64 calls to one thread."""
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="8MiB")
+    llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    fused = llm.engine.model._fused[1]
+    fused.run_solo(0, adaptive=True)
+    _, _, lagged, _ = fused.team_stats()
+    for lag in (0.9, 0.2, 0.9, 0.5, 0.9):  # lagging calls, never two in a row (0.5 is not lagging)
+        fused.note_lag(lag)
+        assert fused.solo_left() == 0, lag
+    fused.note_lag(0.8)
+    assert fused.solo_left() == 64
+    _, _, lagged2, last = fused.team_stats()
+    assert lagged2 - lagged == 4 and last == 0.8
+    fused.run_solo(0, adaptive=False)  # a fixed team (for comparisons) never switches
+    for _ in range(3):
+        fused.note_lag(0.9)
+    assert fused.solo_left() == 0
+    fused.run_solo(0, adaptive=True)
+
+
 @pytest.mark.skipif(len(CPUS) < 2 or cpu_kernels.load() is None, reason="needs two CPUs and the CPU kernels")
 def test_one_thread_gives_the_teams_numbers(tiny_models):
     """Going on with one thread must not change what a step computes (outputs may not depend on whether

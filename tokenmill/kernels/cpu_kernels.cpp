@@ -1544,16 +1544,17 @@ class FusedDecoder {
   }
 
   // Runs body on a team of `threads` (run_team). Where one thread spent most of the region waiting at
-  // barriers, another process holds a team thread's core, and every one of a step's hundreds of barriers
-  // waits for the scheduler to give that thread its core back. The next kSoloCalls calls then run on
-  // one thread, which has no barrier to wait at and which the OS runs on whichever core is free (decode
-  // is bound by memory bandwidth, so one core keeps well over half of two cores' speed); after them the
-  // whole team is tried again.
+  // barriers in kLagRun calls in a row, another process holds a team thread's core, and every one of a
+  // step's hundreds of barriers waits for the scheduler to give that thread its core back. The next
+  // kSoloCalls calls then run on one thread, which has no barrier to wait at and which the OS runs on
+  // whichever core is free (decode is bound by memory bandwidth, so one core keeps well over half of two
+  // cores' speed); after them the whole team is tried again. One lagging call alone is no sign: a
+  // virtual machine's CPU paused for a few milliseconds, an interrupt, gives one now and then on a quiet
+  // machine, and kSoloCalls calls on one thread would cost far more than the pause did.
   template <typename F>
   void team(int threads, const F& body) {
     const TeamClock clock = run_team(threads, body);
-    last_lag_ = clock.lag();
-    if (threads > 1 && last_lag_ > kLagShare) ++lagged_, solo_left_ = adaptive_ ? kSoloCalls : solo_left_;
+    if (threads > 1) note_lag(clock.lag());
   }
 
  public:
@@ -1562,11 +1563,23 @@ class FusedDecoder {
   // The next `calls` calls run on one thread, as after a lagging team; adaptive=false: a lagging team
   // does not switch (to compare the two on equal terms).
   void run_solo(int64_t calls, bool adaptive) { solo_left_ = (int)calls, adaptive_ = adaptive; }
+  // What a team call whose most-waiting thread waited `lag` of its time does to the calls after it.
+  void note_lag(double lag) {
+    last_lag_ = lag;
+    if (lag <= kLagShare) {
+      lag_run_ = 0;
+      return;
+    }
+    ++lagged_;
+    if (++lag_run_ >= kLagRun && adaptive_) solo_left_ = kSoloCalls, lag_run_ = 0;
+  }
+  int64_t solo_left() const { return solo_left_; }
 
  private:
   static constexpr double kLagShare = 0.5;
+  static constexpr int kLagRun = 2;
   static constexpr int kSoloCalls = 64;
-  int solo_left_ = 0;
+  int solo_left_ = 0, lag_run_ = 0;
   bool adaptive_ = true;
   int64_t calls_ = 0, solo_calls_ = 0, lagged_ = 0;
   double last_lag_ = 0.0;
@@ -2001,7 +2014,9 @@ void bind_decoder(pybind11::module& m, const char* name) {
       .def("interrupt", &D::interrupt)
       .def("clear_interrupt", &D::clear_interrupt)
       .def("team_stats", &D::team_stats)
-      .def("run_solo", &D::run_solo, pybind11::arg("calls"), pybind11::arg("adaptive") = true);
+      .def("run_solo", &D::run_solo, pybind11::arg("calls"), pybind11::arg("adaptive") = true)
+      .def("note_lag", &D::note_lag)
+      .def("solo_left", &D::solo_left);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
