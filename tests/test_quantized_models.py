@@ -273,18 +273,28 @@ def test_quantization_option_is_checked():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "phi4-mini"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "phi4-mini", "mixtral",
+                                  "qwen2-moe", "qwen3-moe"])
 def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     """quantization='int8' / 'int4' on float weights: the layers hold Q8_0 / Q4_1 blocks (the embedding and
-    output layer Q8_0), and the logprobs match transformers running the same quantized weights (dequantized
-    into its float model) within the int8 rounding of the activations."""
+    output layer Q8_0; mixture-of-experts experts as the other layers, routers float), and the logprobs
+    match transformers running the same quantized weights (dequantized into its float model): within 1e-4
+    where every product takes float inputs, within the int8 rounding of the activations on the default
+    path (looser for mixture-of-experts, where that rounding can flip a near-tie between two experts)."""
     from transformers import AutoModelForCausalLM
 
     folder = tiny_models[arch]
     llm = LLM(folder, dtype="float32", quantization=mode, kv_cache_memory="16MiB")
     model = llm.engine.model
     linear_format = "Q8_0" if mode == "int8" else "Q4_1"
-    assert model.layers[0].mlp.down_proj.qweight.name == linear_format
+    mlp = model.layers[0].mlp
+    if arch in ("mixtral", "qwen2-moe", "qwen3-moe"):
+        experts = mlp.experts
+        assert experts.gate_up_proj is None and experts.down_proj is None  # no float copy kept
+        assert [w.name for w in experts.qparts] == [linear_format] * 3 * experts.num_experts
+        assert mlp.gate.weight is not None and mlp.gate.weight.dtype == torch.float32  # the router
+    else:
+        assert mlp.down_proj.qweight.name == linear_format
     assert model.layers[1].self_attn.qkv_proj.qweight.name == linear_format
     assert model.embed_tokens.qweight.name == "Q8_0"
     assert model.lm_head is None or model.lm_head.qweight.name == "Q8_0"
@@ -292,16 +302,23 @@ def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):  # experts stacked [E, rows, cols]
                 qtype = 8 if mode == "int8" or "embed" in name or "lm_head" in name else 3
-                p.copy_(quant.quantize(p, qtype).dequantize())
+                rows = p.reshape(-1, p.shape[-1])
+                p.copy_(quant.quantize(rows, qtype).dequantize().reshape(p.shape))
     prompts = [PROMPTS[1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
-    for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
-        got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
-        assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=0.1)
+    moe = arch in ("mixtral", "qwen2-moe", "qwen3-moe")
+    for float_inputs, tol in ((True, 1e-4), (False, 0.25 if moe else 0.1)):
+        quant.set_float_rows(1 if float_inputs else 0)
+        try:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+        finally:
+            quant.set_float_rows(0)
+        for ids, out in zip(prompts, outs):
+            with torch.no_grad():
+                want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
+            got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+            assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=tol), float_inputs
 
 
 def test_quantize_matches_gguf_dequantized_rounding():

@@ -147,9 +147,11 @@ def _release_freed_memory() -> None:
 
 def quantize_on_load(model: nn.Module, weights, quantization: str):
     """Prepare the model's linear layers and embedding for int8 / int4 weights, and quantize their float
-    checkpoint tensors as they stream past (the float copy is never kept). Layers whose rows do not divide
-    into groups of 32 stay float, as do mixture-of-experts routers (keep_float) and the experts (for now)."""
+    checkpoint tensors as they stream past (the float copy is never kept), mixture-of-experts experts
+    included (each expert's matrices in the linear layers' format). Layers whose rows do not divide into
+    groups of 32 stay float, as do mixture-of-experts routers (keep_float: their top-k choice is discrete)."""
     from tokenmill.model.layers import Embedding, _QuantizableLinear
+    from tokenmill.model.moe import Experts
 
     linear_type, edge_type = quant.QUANTIZE_TO[quantization]
     if quant.load() is None:
@@ -161,6 +163,10 @@ def quantize_on_load(model: nn.Module, weights, quantization: str):
                 and not getattr(module, "keep_float", False):
             targets[name] = edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type
             module.quantize_weight()
+        elif isinstance(module, Experts) and module.hidden % 32 == 0 and module.intermediate % 32 == 0:
+            targets[name] = linear_type
+            for part in range(3):
+                module.quantize_part(part)
     model.quantized = bool(targets)
     return _quantized_stream(model, weights, targets, quantization)
 
@@ -172,7 +178,8 @@ def _quantized_stream(model: nn.Module, weights, targets: dict, quantization: st
         module_name = model._weight_module(name)[0] if name.endswith(".weight") else None
         if module_name in targets and isinstance(tensor, torch.Tensor):
             before += tensor.numel() * model.norm.weight.element_size()
-            tensor = quant.quantize(tensor.reshape(tensor.shape[0], -1), targets[module_name], name)
+            # [rows, cols], or experts stacked [E, rows, cols]: their rows one after another
+            tensor = quant.quantize(tensor.reshape(-1, tensor.shape[-1]), targets[module_name], name)
             after += tensor.nbytes
             count += 1
         yield name, tensor

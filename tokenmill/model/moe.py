@@ -58,8 +58,9 @@ class Experts(nn.Module):
 
     @property
     def qparts(self) -> list:
-        """The quantized matrices held (for the loader's accounting)."""
-        return [w for w in self._whole if w is not None]
+        """The quantized matrices held (for the loader's accounting): each part stacked, or its experts'."""
+        return [w for whole, slices in zip(self._whole, self._slices)
+                for w in ([whole] if whole is not None else slices or ()) if w is not None]
 
     def checkpoint_names(self, prefix: str, parts=range(3), experts=None) -> list[str]:
         """Hugging Face names of the weights of `parts` of `experts` (default all), under module name prefix."""
@@ -67,13 +68,20 @@ class Experts(nn.Module):
         return [f"{prefix}.{e}.{PARTS[p]}.weight" for p in parts for e in experts]
 
     def load(self, part: int, tensor, expert: int | None) -> None:
-        """One expert's float matrix of a part, or (expert None) all experts' stacked: float [E, rows, cols]
-        or a QuantizedWeight [E * rows, cols]."""
+        """One expert's matrix of a part, or (expert None) all experts' stacked: float [rows, cols] or
+        [E, rows, cols], or a QuantizedWeight [rows, cols] (quantized at load) or [E * rows, cols] (a file's
+        stacked blocks)."""
         rows, cols = self._shape(part)
         if not isinstance(tensor, torch.Tensor):
-            if expert is not None or part not in self._quantized:
-                raise ValueError(f"quantized expert weights ({PARTS[part]}) must arrive stacked, into a part "
-                                 "prepared for them")
+            if part not in self._quantized:
+                raise ValueError(f"quantized expert weights ({PARTS[part]}) must go to a part prepared for them")
+            if expert is not None:
+                if tensor.shape != (rows, cols):
+                    raise ValueError(f"expert {expert}'s {PARTS[part]} has shape {tensor.shape}, expected {(rows, cols)}")
+                if self._slices[part] is None:
+                    self._slices[part] = [None] * self.num_experts
+                self._slices[part][expert] = tensor
+                return
             if tensor.shape != (self.num_experts * rows, cols):
                 raise ValueError(f"stacked expert tensor has shape {tensor.shape}, expected "
                                  f"{(self.num_experts * rows, cols)}")
