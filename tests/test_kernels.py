@@ -24,6 +24,18 @@ def test_gemv_matches_float32_reference(rows, n, k):
     assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 2048), (8, 64)])
+def test_gemv_row_is_the_same_whatever_rows_share_the_call(n, k):
+    """A row's products are summed in one order whether it is alone or one of up to 8 rows: a decode step
+    of one request and a verify step of that request's positions (or a batch) compute the same bits."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(8, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    alone = torch.cat([kernel.gemv_bf16(x[i:i + 1], w) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(kernel.gemv_bf16(x[:rows], w), alone[:rows]), rows
+
+
 def test_linear_dispatch_and_bias():
     x = torch.randn(2, 64).bfloat16()
     w = torch.randn(16, 64).bfloat16()

@@ -213,27 +213,23 @@ template <typename T>
 constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
 
 // y[n] = x . w[n, :] (+ bias[n]) for one input row and weight rows [n0, n1): each weight row is read
-// front to back, so the thread's reads are a single stream; two accumulators hide the dot-product
-// latency. `ahead` walks the stream kPrefetchRowBytes ahead.
+// front to back, so the thread's reads are a single stream. A row's products are summed as gemv_block
+// sums them (one accumulator, line after line): a row's result must not depend on how many input rows
+// share its step (a verify step's rows are each what a one-row decode step of that position computes).
+// The dot-product latency of one accumulator is hidden by the next rows' independent chains (out of
+// order) and by the memory time of a row. `ahead` walks the stream kPrefetchRowBytes ahead.
 template <typename T>
 void gemv_one_row(const T* x, const T* w, int64_t K, int64_t n0, int64_t n1, const T* bias, T* y, bool accumulate,
                   NearAhead& ahead) {
   constexpr int64_t E = kLine<T>;
   for (int64_t n = n0; n < n1; ++n) {
     const T* wr = w + n * K;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 2 * E <= K; k += 2 * E) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += E) {
       ahead.line();
-      ahead.line();
-      a0 = mac_line(a0, x + k, wr + k);
-      a1 = mac_line(a1, x + k + E, wr + k + E);
+      acc = mac_line(acc, x + k, wr + k);
     }
-    for (; k < K; k += E) {
-      ahead.line();
-      a0 = mac_line(a0, x + k, wr + k);
-    }
-    put(y + n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), bias, n, accumulate);
+    put(y + n, _mm512_reduce_add_ps(acc), bias, n, accumulate);
   }
 }
 
