@@ -18,6 +18,7 @@ from scipy.stats import chi2_contingency
 
 from conftest import ARCHS, PROMPTS, block_bytes
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.spec.proposer import AdaptiveDraft, ngram_lookup
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -388,6 +389,36 @@ def test_draft_model_outputs_equal_decoding_without_speculation(tiny_models, dra
         assert s["spec_decode_num_draft_tokens"] < 4 * len(PROMPTS) * 32 / 4
     proposer = llm.engine.proposer
     llm.engine.step()  # a step with nothing to run lets the proposer forget finished requests
+    assert not proposer.shadows and proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels (bursts of the fused decoder)")
+def test_draft_model_proposes_in_one_burst_of_its_fused_decoder(tiny_models):
+    """In bfloat16 the draft's fused decoder runs decode steps back to back: once a request's prompt is
+    in the draft's cache, each step's proposals come from one burst of k + 1 steps (the catch-up token,
+    the k proposals, the last of them computed too, so the next catch-up is again one token), and no
+    step of the draft's module-by-module path runs. Greedy outputs are those of decoding without a draft,
+    nearly every proposal of a draft with the target's own weights is accepted, and the draft's blocks
+    all return to its pool."""
+    target = tiny_models["llama"]
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": target}
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(dtype="bfloat16", block_size=4)
+    prompts = PROMPTS[:3]  # room in an 8-row step for their proposals
+    ref = _tokens(LLM(target, **kw).generate(prompts, sp))
+    llm = LLM(target, speculative_config=spec, **kw)
+    proposer = llm.engine.proposer
+    bursts, execute_burst = [], proposer.runner.execute_burst
+    proposer.runner.execute_burst = lambda sched, steps, stop: bursts.append(steps) or execute_burst(sched, steps, stop)
+    steps, execute = [], proposer.runner.execute
+    proposer.runner.execute = lambda sched: steps.append(sched) or execute(sched)
+    assert _tokens(llm.generate(prompts, sp)) == ref
+    assert bursts and max(bursts) == 5
+    # Module-by-module steps only for the prompts (each request's first catch-up, with its first proposal).
+    assert len(steps) <= len(prompts) and all(s.scheduled[0].num_new_tokens > 1 for s in steps)
+    s = llm.engine.stats()
+    assert s["spec_decode_num_accepted_tokens"] / s["spec_decode_num_draft_tokens"] > 0.9
+    llm.engine.step()
     assert not proposer.shadows and proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
 
 

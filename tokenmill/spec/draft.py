@@ -20,7 +20,10 @@ class DraftModelProposer:
     """Each target request has a shadow request in the draft's KV cache holding the tokens the draft has
     computed. A proposal first brings the shadow level with the request (its new tokens; tokens the
     draft computed for proposals that were rejected are recomputed), which gives the first proposed
-    token, then decodes the rest one step at a time for all requests together. Proposals are the draft's
+    token, then decodes the rest, for all requests together. Where the draft has a fused decoder and every
+    shadow owes one token (the target's latest), the whole proposal is one call of it, decode steps back to
+    back, which also computes the last proposal so that the next catch-up is one token again; otherwise
+    (a prompt to catch up, no fused decoder) it goes one engine step at a time. Proposals are the draft's
     greedy choices: each is certain (q one-hot), which is what the target's verification assumes."""
 
     def __init__(self, cfg, engine) -> None:
@@ -57,28 +60,59 @@ class DraftModelProposer:
                 shadows.append(shadow)
                 ks.append(k)
         drafts: dict[str, list[int]] = {s.request_id: [] for s in shadows}
-        # Catch up: every new token of each shadow; the last one's logits give the first proposal.
         active = list(zip(shadows, ks))
-        for j in range(max(ks, default=0)):
-            sched = SchedulerOutput(scheduled=[
-                ScheduledRequest(s, s.num_tokens - s.num_computed_tokens, True) for s, _ in active])
-            out = self.runner.execute(sched)
-            still = []
-            for s, k in active:
-                s.num_computed_tokens = s.num_tokens
-                token = out.sampled[s.request_id]
-                if token >= self.vocab_size:  # a token the target's vocabulary lacks ends the proposal
-                    continue
-                drafts[s.request_id].append(token)
-                s.output_token_ids.append(token)  # the draft computes it in the next step
-                if j + 1 < k:
-                    still.append((s, k))
-            active = still
+        while active:
+            if all(s.num_tokens - s.num_computed_tokens == 1 for s, _ in active) and self._burst(active, drafts):
+                break
+            active = self._step(active, drafts)
         result = []
         for req, _ in wanted:
             shadow = self.shadows.get(req.request_id)
             result.append(drafts.get(shadow.request_id, []) if shadow is not None else [])
         return result
+
+    def _step(self, active: list, drafts: dict[str, list[int]]) -> list:
+        """One step of the draft for every shadow: its tokens not yet computed (a catch-up, or the latest
+        proposal), whose last one's logits give its next proposal. Returns the shadows that want more."""
+        sched = SchedulerOutput(scheduled=[
+            ScheduledRequest(s, s.num_tokens - s.num_computed_tokens, True) for s, _ in active])
+        out = self.runner.execute(sched)
+        still = []
+        for s, k in active:
+            s.num_computed_tokens = s.num_tokens
+            token = out.sampled[s.request_id]
+            if token >= self.vocab_size:  # a token the target's vocabulary lacks ends the proposal
+                continue
+            drafts[s.request_id].append(token)
+            s.output_token_ids.append(token)  # the draft computes it in the next step
+            if len(drafts[s.request_id]) < k:
+                still.append((s, k))
+        return still
+
+    def _burst(self, active: list, drafts: dict[str, list[int]]) -> bool:
+        """The rest of every shadow's proposals at once, each shadow owing one token, in one call of the
+        draft's fused decoder (decode steps back to back, each step's greedy token the next step's input): a
+        proposal costs no pass through the engine's Python. The burst runs one step past the longest
+        proposal, so that each shadow's last proposal is computed too and the next catch-up (the target's
+        own next token) is again one token, a decode step rather than a prompt chunk. False (nothing done)
+        where the draft has no fused decoder, or too few free blocks for the steps."""
+        steps = max(k - len(drafts[s.request_id]) for s, k in active) + 1
+        if not self.runner.supports_bursts or not all(self.kv.allocate_slots(s, steps) for s, _ in active):
+            return False
+        sched = SchedulerOutput(scheduled=[ScheduledRequest(s, 1, True) for s, _ in active])
+        outs = self.runner.execute_burst(sched, steps, lambda: False)
+        if outs is None:
+            return False
+        for s, k in active:
+            mine = drafts[s.request_id]
+            for out in outs[:k - len(mine)]:
+                token = out.sampled[s.request_id]
+                if token >= self.vocab_size:  # a token the target's vocabulary lacks ends the proposal
+                    break
+                mine.append(token)
+                s.output_token_ids.append(token)
+            s.num_computed_tokens = s.num_tokens  # every kept token's keys and values are in the cache
+        return True
 
     def _sync(self, req: Request) -> Request:
         """The request's shadow, its tokens set to the request's; computed tokens past their common prefix
