@@ -132,8 +132,13 @@ def test_streamed_echo_and_offsets_match_the_whole_answer(server):
         events = [e for e in sse_events(r) if e != "[DONE]"]
     pieces = [e["choices"][0] for e in events]
     assert "".join(p["text"] for p in pieces) == whole["text"]
-    for key in ("tokens", "token_logprobs", "text_offset"):
+    for key in ("tokens", "text_offset"):
         assert sum((p["logprobs"][key] for p in pieces), []) == whole["logprobs"][key]
+    # Logprobs to float32 rounding: while another process holds a core the step governor runs steps on
+    # one thread, and torch's GEMM rounds a prompt chunk's rows differently on one thread than on two.
+    streamed = sum((p["logprobs"]["token_logprobs"] for p in pieces), [])
+    assert streamed[0] is None and whole["logprobs"]["token_logprobs"][0] is None
+    assert streamed[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-5)
     # Without echo the offsets index the prompt followed by the completion, streamed or not.
     plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
     assert plain["text_offset"][0] == len(PROMPTS[0])
