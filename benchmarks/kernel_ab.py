@@ -36,24 +36,48 @@ FAST_GBPS = 45.0  # probe readings above this: the memory's fast state
 
 
 def capture_step(llm: LLM, context: int):
-    """The model inputs of a real decode step at the given context length."""
+    """The model inputs of a real decode step at the given context length (decode steps reach the model
+    through forward, or decode_logits where the logits come from the same call)."""
     engine, model = llm.engine, llm.engine.model
     captured = {}
-    real = model.forward
+    real = {name: getattr(model, name) for name in ("forward", "decode_logits")}
 
-    def spy(ids, pos, kv, meta):
-        captured.update(ids=ids, pos=pos, meta=meta)
-        return real(ids, pos, kv, meta)
+    def spy(name):
+        def call(ids, pos, kv, meta):
+            if meta.decode_block_tables is not None:
+                captured.update(ids=ids, pos=pos, meta=meta)
+            return real[name](ids, pos, kv, meta)
+        return call
 
-    model.forward = spy
+    for name in real:
+        setattr(model, name, spy(name))
     try:
         engine.add_request(None, [(1000 + 7 * j) % engine.vocab_size for j in range(context - 2)],
                            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        model.forward = real
+        for name, fn in real.items():
+            setattr(model, name, fn)
     return captured
+
+
+def decoders_at(base: str, llm: LLM) -> dict:
+    """The engine's fused decoder twice, {"base": ..., "new": ...}: from the CPU kernels as they were at git
+    revision `base` and from the working tree's, each built for this CPU, on the engine's own weights and
+    KV cache. The working tree's build is the kernel module in force afterwards."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    source = subprocess.run(["git", "show", f"{base}:tokenmill/kernels/cpu_kernels.cpp"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout
+    base_file = os.path.join(tempfile.mkdtemp(), "cpu_kernels.cpp")
+    with open(base_file, "w") as f:
+        f.write(source)
+    runner = llm.engine.runner
+    decoders = {}
+    for name, path in (("base", base_file), ("new", cpu_kernels._SOURCE)):
+        cpu_kernels._module = cpu_kernels.build(path)
+        decoders[name] = llm.engine.model._build_fused_decoder(runner.kv_caches, runner.block_size)
+    return decoders
 
 
 def main() -> None:
@@ -63,24 +87,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--workload", choices=["forward", "generate"], default="forward")
     args = ap.parse_args()
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    source = subprocess.run(["git", "show", f"{args.base}:tokenmill/kernels/cpu_kernels.cpp"], cwd=root,
-                            capture_output=True, text=True, check=True).stdout
-    base_file = os.path.join(tempfile.mkdtemp(), "cpu_kernels.cpp")
-    with open(base_file, "w") as f:
-        f.write(source)
-    builds = {"base": cpu_kernels.build(base_file), "new": cpu_kernels.build(cpu_kernels._SOURCE)}
-
     llm = LLM(dtype="bfloat16", num_scheduler_steps=1 if args.workload == "forward" else 8)
-    model, kv = llm.engine.model, llm.engine.runner.kv_caches
     if args.workload == "forward":
         cases = {f"context {c}": forward_case(llm, c) for c in map(int, args.contexts.split(","))}
     else:
         cases = {"generate 128 tokens": generate_case(llm)}
-    decoders = {}
-    for name, module in builds.items():
-        cpu_kernels._module = module
-        decoders[name] = model._build_fused_decoder(kv, llm.engine.config.block_size)
+    decoders = decoders_at(args.base, llm)
     probe = torch.ones(1 << 26)  # 256 MiB
     rounds = []
     end = time.time() + args.seconds

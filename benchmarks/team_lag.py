@@ -14,17 +14,14 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
 
-import tokenmill.kernels.cpu as cpu_kernels  # noqa: E402
 from tokenmill import LLM  # noqa: E402
+from kernel_ab import decoders_at  # noqa: E402
 from verify_rows import step_inputs  # noqa: E402
 
 CASES = [(32, 1), (32, 4), (32, 8), (700, 1), (700, 8)]  # (context, rows of one request)
@@ -36,24 +33,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=200, help="calls per case and round")
     args = ap.parse_args()
-    root = os.path.join(os.path.dirname(__file__), "..")
-    base_file = os.path.join(tempfile.mkdtemp(), "cpu_kernels.cpp")
-    with open(base_file, "w") as f:
-        f.write(subprocess.check_output(["git", "-C", root, "show", f"{args.base}:tokenmill/kernels/cpu_kernels.cpp"],
-                                        text=True))
-    builds = {"base": cpu_kernels.build(base_file), "new": cpu_kernels.build(cpu_kernels._SOURCE)}
-    for module in builds.values():
-        module.set_plan_threads(torch.get_num_threads())
     llm = LLM("smollm2-135m-instruct", enable_prefix_caching=False)
     runner = llm.engine.runner
-    llm.engine.runner.governor = None  # the team's own clock alone
-    decoders = {}
-    for name, module in builds.items():
-        cpu_kernels._module = module
-        decoders[name] = runner.model._build_fused_decoder(runner.kv_caches, runner.block_size)
-    totals = {name: {"calls": 0, "solo": 0, "lagged": 0, "times": []} for name in builds}
+    runner.governor = None  # the team's own clock alone
+    decoders = decoders_at(args.base, llm)
+    totals = {name: {"calls": 0, "solo": 0, "lagged": 0, "times": []} for name in decoders}
     for r in range(args.rounds):
-        order = list(builds)
+        order = list(decoders)
         random.shuffle(order)
         for name in order:
             fused, t = decoders[name], totals[name]

@@ -629,7 +629,7 @@ constexpr const char* kHeadDims = "head_dim must be a multiple of 16 up to 128, 
 // fewer parts than threads (one short request), parts go per KV head as well. Parts are then merged
 // per query head: with M the largest m, out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
 // A request's ranges depend on its own context length alone, never on the other requests of the step
-// (a per-head split sums each head as one range does): its numbers are the same in any batch, so a
+// (a per-head split sums each head over those same ranges): its numbers are the same in any batch, so a
 // step that verifies several of a request's positions as rows of their own computes each as a step of
 // that position alone would. The plan depends only on the context lengths and the window, so a decode
 // step makes it once for all its layers of one window.
@@ -655,8 +655,8 @@ struct AttentionPlan {
       chunks[b] = std::max<int64_t>(1, std::min<int64_t>(threads, len / kMinChunk));
       total += chunks[b];
     }
-    // Fewer parts than threads: each range splits further, per KV head. Its ranges stay as they are (a
-    // head's sums do not depend on which other heads share its part; its ranges would).
+    // Fewer parts than threads: the ranges split further, per KV head (never into fewer ranges: those
+    // would change the request's sums).
     const bool per_head = total < threads;
     head_groups = per_head ? KVH : 1;
     heads_per_group = per_head ? 1 : KVH;
