@@ -10,6 +10,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from tests.conftest import MOE_ARCHS  # noqa: E402
 from tests.gguf_models import write_llama_gguf  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.kernels import quant  # noqa: E402
@@ -273,8 +274,7 @@ def test_quantization_option_is_checked():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "phi4-mini", "mixtral",
-                                  "qwen2-moe", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "phi4-mini", *MOE_ARCHS])
 def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     """quantization='int8' / 'int4' on float weights: the layers hold Q8_0 / Q4_1 blocks (the embedding and
     output layer Q8_0; mixture-of-experts experts as the other layers, routers float), and the logprobs
@@ -288,7 +288,8 @@ def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     model = llm.engine.model
     linear_format = "Q8_0" if mode == "int8" else "Q4_1"
     mlp = model.layers[0].mlp
-    if arch in ("mixtral", "qwen2-moe", "qwen3-moe"):
+    moe = arch in MOE_ARCHS
+    if moe:
         experts = mlp.experts
         assert experts.gate_up_proj is None and experts.down_proj is None  # no float copy kept
         assert [w.name for w in experts.qparts] == [linear_format] * 3 * experts.num_experts
@@ -307,7 +308,6 @@ def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
                 rows = p.reshape(-1, p.shape[-1])
                 p.copy_(quant.quantize(rows, qtype).dequantize().reshape(p.shape))
     prompts = [PROMPTS[1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2]
-    moe = arch in ("mixtral", "qwen2-moe", "qwen3-moe")
     for float_inputs, tol in ((True, 1e-4), (False, 0.25 if moe else 0.1)):
         quant.set_float_rows(1 if float_inputs else 0)
         try:
