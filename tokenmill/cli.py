@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "folder (default: auto)")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='sampling defaults set over the chosen ones, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many processes on this host (heads and MLP rows), each with "
+                        "its share of the CPUs; --kv-cache-memory is each one's (default 1)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt '
                         'lookup: proposals copied from earlier in the prompt or output, for outputs that quote '
@@ -59,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-                max_model_len=args.max_model_len,
+                max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                 block_size=args.block_size, seed=args.seed,

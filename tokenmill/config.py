@@ -113,6 +113,9 @@ class EngineConfig:
     # Speculative decoding (a dict, a JSON object or a SpeculativeConfig; None: off), e.g.
     # {"method": "ngram", "num_speculative_tokens": 4}: see spec/config.py.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Ranks the model is split over (heads and MLP rows; distributed/): processes on this host, each with its
+    # share of the CPUs and its slice of the weights and KV cache (kv_cache_memory is each rank's).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -138,6 +141,12 @@ class EngineConfig:
         if self.generation_config not in ("auto", "vllm") and not os.path.exists(self.generation_config):
             raise ValueError("generation_config must be auto, vllm or the path of a generation_config.json (or "
                              f"its folder); {self.generation_config!r} does not exist")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None \
+                and self.speculative_config.method == "self":
+            raise ValueError("speculative decoding with method 'self' does not run with tensor_parallel_size > 1 "
+                             "(its draft is a quantized copy of the whole model); use 'ngram' or 'draft_model'")
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError("override_generation_config must be a dict of sampling fields, e.g. "
                              '{"temperature": 0.5}')

@@ -107,6 +107,7 @@ class AsyncEngine:
         self._stop.set()
         self._send(("wake",))
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     def add_death_callback(self, fn: Callable[[], None]) -> None:
         self._on_death.append(fn)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Sequence
 
 
@@ -37,9 +38,34 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, None)
+        self.tp = None  # the other tensor-parallel ranks, where the model is split (distributed/executor.py)
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
+        """Load the model (this rank's shard, the other ranks started, where it is split), size the KV cache,
+        and build the scheduler and runner."""
+        tensor_parallel = None
+        if config.tensor_parallel_size > 1:
+            if self.device.type != "cpu":
+                raise ValueError("tensor_parallel_size > 1 runs on the CPU (ranks on one host, summing through "
+                                 "shared memory); on a GPU, run one rank")
+            from tokenmill.distributed.executor import TensorParallel
+
+            self.tp = TensorParallel(config)
+            weakref.finalize(self, self.tp.close)
+            tensor_parallel = (0, self.tp.world, self.tp.group)
         self.loaded = load_model(config.model, self.dtype, self.device, TorchSDPABackend(),
-                                 max_positions=config.max_model_len, quantization=config.quantization)
+                                 max_positions=config.max_model_len, quantization=config.quantization,
+                                 tensor_parallel=tensor_parallel)
         self.model = self.loaded.model
+        if self.tp is not None:
+            from tokenmill.distributed.executor import RankZeroModel
+
+            self.model = RankZeroModel(self.model, self.tp)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
@@ -54,6 +80,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         bs = config.block_size
         per_block = kv_bytes_per_block(self.model, bs, self.dtype, config.kv_cache_dtype)
+        if self.tp is not None:  # every rank holds as many blocks; the one with the most KV heads sizes them
+            per_block = per_block * self.model.tp_shard.most_kv_heads // mcfg.num_kv_heads
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {per_block} bytes")
@@ -62,6 +90,8 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({num_blocks * bs} tokens in {config.kv_cache_memory} bytes) cannot hold "
                              f"max_model_len {config.max_model_len}; raise kv_cache_memory or lower max_model_len")
         self.num_blocks = num_blocks
+        if self.tp is not None:
+            self.tp.start(num_blocks, self.max_model_len)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
                     num_blocks, bs, num_blocks * bs, num_blocks * per_block / 2**20,
                     str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else
@@ -95,6 +125,11 @@ class LLMEngine:
         self.proposer = make_proposer(spec, self) if spec is not None else None
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe())
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks, where the model is split (the engine runs no step after)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:

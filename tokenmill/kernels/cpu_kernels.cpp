@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "quant_product.h"  // and simd.h: the AVX-512 intrinsics, native or through SIMDe
+#include "shm_group.h"
 
 #ifndef __AVX512BF16__
 // CPUs with AVX-512 but without its BF16 extension (Skylake-SP to Ice Lake, Zen 3): the two BF16
@@ -1197,6 +1198,36 @@ void matrix_row(const Matrix& W, int64_t id, T* y) {
   }
 }
 
+// ---------------------------------------------------------------------------------- tensor parallel
+
+// A tensor-parallel group of ranks on this host: its shared buffer, kept mapped while anyone holds the
+// group, and the ShmGroup working in it (shm_group.h).
+struct TPGroup {
+  torch::Tensor buffer;
+  tp::ShmGroup group;
+  TPGroup(torch::Tensor buf, int64_t rank, int64_t world, int64_t capacity, int64_t msg_capacity)
+      : buffer(checked(buf, world, capacity, msg_capacity)),
+        group(buf.data_ptr<uint8_t>(), rank, world, capacity, msg_capacity) {
+    TORCH_CHECK(rank >= 0 && rank < world, "rank must be in [0, world)");
+  }
+  static torch::Tensor checked(const torch::Tensor& buf, int64_t world, int64_t capacity, int64_t msg_capacity) {
+    TORCH_CHECK(world >= 1 && capacity >= 64 && msg_capacity >= 0, "world, capacity or message capacity out of range");
+    TORCH_CHECK(buf.scalar_type() == torch::kByte && buf.is_contiguous() &&
+                buf.numel() >= tp::ShmGroup::bytes(world, capacity, msg_capacity) &&
+                reinterpret_cast<uintptr_t>(buf.data_ptr()) % 64 == 0,
+                "buffer: contiguous uint8, 64-byte aligned, of ShmGroup.bytes(world, capacity, msg_capacity) bytes");
+    return buf;
+  }
+  template <typename T>
+  void all_reduce(T* x, int64_t n) {
+    group.all_reduce(x, n, [](T v) { return to_float(v); }, [](float v) { return from_float<T>(v); });
+  }
+  void check() const {
+    TORCH_CHECK(!group.broken(), "a tensor-parallel rank has stopped (died, or the group was closed): this rank's "
+                "results are void");
+  }
+};
+
 // ---------------------------------------------------------------------------------- fused decoder
 
 // One decoder layer's weights, its slice of the KV cache, its attention window and its rotary table.
@@ -1373,6 +1404,7 @@ class FusedDecoder {
     } else {
       forward_batched(s, in.x, out);
     }
+    if (group_) group_->check();
     return out;
   }
 
@@ -1396,16 +1428,23 @@ class FusedDecoder {
     if (runs_in_team(B)) {
       done = greedy_team(burst, block_tables, steps);
     } else {
+      std::vector<Best> best(B);
       while (done < steps) {
         auto logits = matrix_product<T>(head_, forward(burst.ids, burst.pos, burst.slots[done], block_tables,
                                                        burst.lens), c10::nullopt);
         if (final_softcap_ > 0.f) softcap_rows(data_mut(logits), logits.numel(), final_softcap_);
         const T* rows = data(logits);
         const int64_t V = logits.size(1);
-        for (int64_t b = 0; b < B; ++b) burst.take(done, b, argmax_row(rows + b * V, V));
-        if (!burst.go_on(++done, steps, interrupted_.load())) break;
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t i = argmax_row(rows + b * V, V);
+          best[b] = {vocab_start_ + i, to_float(rows[b * V + i])};
+        }
+        const bool stop = group_best(best, interrupted_.load());
+        for (int64_t b = 0; b < B; ++b) burst.take(done, b, best[b].index);
+        if (!burst.go_on(++done, steps, stop)) break;
       }
     }
+    if (group_) group_->check();
     return burst.tokens.slice(0, 0, done);
   }
 
@@ -1417,7 +1456,7 @@ class FusedDecoder {
     if (!runs_in_team(input_ids.size(0))) {
       auto logits = matrix_product<T>(head_, forward(input_ids, positions, slots, block_tables, seq_lens), c10::nullopt);
       if (final_softcap_ > 0.f) softcap_rows(data_mut(logits), logits.numel(), final_softcap_);
-      return logits;
+      return whole_vocab(logits);
     }
     StepInputs in = prepare(input_ids, positions, slots, block_tables, seq_lens);
     const Step& s = in.step;
@@ -1432,15 +1471,85 @@ class FusedDecoder {
       team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
       team_logits(data(in.x), s.B, w, n, buf, data_mut(out), walks, ts);
     });
-    return out;
+    return whole_vocab(out);
   }
 
-  // Ends a running decode_greedy after its current step; clear_interrupt() before the next.
+  // Makes this decoder one shard of a tensor-parallel group: its matrices are the rank's slices (heads,
+  // intermediate rows; the embedding and output layer rows [vocab_start, vocab_start + their rows) of a
+  // vocabulary of vocab_total, cut in slices of ceil(vocab_total / world) rows), and row-parallel
+  // projections (o, down) and the embedding are summed over the group.
+  void set_group(std::shared_ptr<TPGroup> group, int64_t vocab_start, int64_t vocab_total) {
+    const int64_t world = group->group.world(), slice = (vocab_total + world - 1) / world;
+    TORCH_CHECK(vocab_total < (int64_t(1) << 24), "a sharded vocabulary has fewer than 2^24 rows");
+    TORCH_CHECK(vocab_start == group->group.rank() * slice && embed_.N == std::min(slice, vocab_total - vocab_start)
+                && head_.N == embed_.N, "the embedding and output layer must hold the rank's slice of ",
+                slice, " rows of the vocabulary");
+    group_ = std::move(group);
+    vocab_start_ = vocab_start;
+    vocab_total_ = vocab_total;
+  }
+
+  // Ends a running decode_greedy after its current step; clear_interrupt() before the next. (In a
+  // tensor-parallel group, rank 0's call ends every rank's burst at the same step.)
   void interrupt() { interrupted_.store(true); }
   void clear_interrupt() { interrupted_.store(false); }
 
  private:
   std::atomic<bool> interrupted_{false};
+  std::shared_ptr<TPGroup> group_;  // none: the whole model
+  int64_t vocab_start_ = 0, vocab_total_ = 0;
+  int64_t vocab() const { return group_ ? vocab_total_ : embed_.N; }
+
+  // A request's greedy choice: its index in the whole vocabulary (-1: none yet) and its logit.
+  struct Best {
+    int64_t index;
+    float value;
+  };
+
+  // Each request's greedy token over the whole vocabulary: best[b] holds this shard's choice and becomes
+  // the group's (the first NaN in rank order, else the largest logit, the lowest index on ties, as
+  // argmax_row does in one row). Returns rank 0's `interrupted`, so a burst ends at the same step on every
+  // rank; a broken group ends it at once (with token 0; the caller's check() then fails the call).
+  bool group_best(std::vector<Best>& best, bool interrupted) {
+    if (!group_) return interrupted;
+    const int64_t B = best.size(), world = group_->group.world(), n = 2 * B + 1;
+    std::vector<float> mine(n), all(world * n);
+    for (int64_t b = 0; b < B; ++b) mine[2 * b] = best[b].value, mine[2 * b + 1] = (float)best[b].index;
+    mine[2 * B] = interrupted ? 1.f : 0.f;
+    group_->group.all_gather(mine.data(), n, all.data());
+    if (group_->group.broken()) {
+      for (auto& c : best) c = {0, 0.f};
+      return true;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      Best pick{-1, 0.f};
+      for (int64_t r = 0; r < world; ++r) {
+        const float v = all[r * n + 2 * b];
+        const int64_t i = (int64_t)all[r * n + 2 * b + 1];
+        if (i < 0) continue;
+        if (std::isnan(v)) {
+          pick = {i, v};
+          break;
+        }
+        if (pick.index < 0 || v > pick.value) pick = {i, v};
+      }
+      best[b] = pick;
+    }
+    return all[2 * B] != 0.f;
+  }
+
+  // The logits of the whole vocabulary [B, vocab] from this shard's [B, its rows]: every rank's slice,
+  // gathered (no group: local as it is).
+  torch::Tensor whole_vocab(const torch::Tensor& local) {
+    if (!group_) return local;
+    const int64_t B = local.size(0), world = group_->group.world(), slice = (vocab_total_ + world - 1) / world;
+    auto mine = torch::zeros({B, slice}, torch::kFloat);
+    mine.narrow(1, 0, local.size(1)).copy_(local);
+    auto all = torch::empty({world, B, slice}, torch::kFloat);
+    group_->group.all_gather(mine.data_ptr<float>(), B * slice, all.data_ptr<float>());
+    group_->check();
+    return all.permute({1, 0, 2}).reshape({B, world * slice}).narrow(1, 0, vocab_total_).to(kDtype);
+  }
 
   // The inputs of one decode step, as raw views of tensors the caller keeps.
   struct Step {
@@ -1484,16 +1593,17 @@ class FusedDecoder {
 
   // x = the embeddings of the step's tokens (scaled where the model scales them); the step's rotary rows
   // for their positions, from each table.
+  // A shard holds the embedding rows of its slice of the vocabulary: the others are zero here and come from
+  // their ranks in one sum (exact: one rank's row plus zeros).
   void begin_step(const Step& s, const int64_t* ids, const int64_t* pos, T* x) const {
     const int64_t tables = cos_.size();
     for (int64_t b = 0; b < s.B; ++b) {
       const int64_t id = ids[b], p = pos[b];
-      TORCH_CHECK(id >= 0 && id < embed_.N, "token id ", id, " is out of range [0, ", embed_.N, ")");
+      TORCH_CHECK(id >= 0 && id < vocab(), "token id ", id, " is out of range [0, ", vocab(), ")");
       TORCH_CHECK(p >= 0 && p < positions(), "position beyond the rotary table");
       T* xb = x + b * hidden_;
-      matrix_row(embed_, id, xb);
-      if (embed_scale_ != 1.f)
-        for (int64_t k = 0; k < hidden_; ++k) xb[k] = from_float<T>(to_float(xb[k]) * embed_scale_);
+      if (id >= vocab_start_ && id < vocab_start_ + embed_.N) matrix_row(embed_, id - vocab_start_, xb);
+      else std::fill(xb, xb + hidden_, from_float<T>(0.f));
       for (int64_t r = 0; r < tables; ++r) {
         const float* cos_row = floats(cos_[r]) + p * R_;
         const float* sin_row = floats(sin_[r]) + p * R_;
@@ -1503,6 +1613,9 @@ class FusedDecoder {
         }
       }
     }
+    if (group_) group_->all_reduce(x, s.B * hidden_);
+    if (embed_scale_ != 1.f)
+      for (int64_t k = 0; k < s.B * hidden_; ++k) x[k] = from_float<T>(to_float(x[k]) * embed_scale_);
   }
 
   // A burst's state: each request's next input, position and context length, advanced step by step.
@@ -1708,10 +1821,11 @@ class FusedDecoder {
       for (int64_t j = j0; j < j1; ++j) plan.merge<Attn>(j, attn_h, ts.merged.data());
       barrier.wait(n);
       input(L.o, buf.attn.data());
-      if (L.attn_out_norm) {  // the whole output row first, then its norm joins the residual
+      if (L.attn_out_norm || group_) {  // the whole output row first (summed over the shards), then it joins the residual
         matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), buf.branch.data(), false, walks);
         barrier.wait(n);
-        for (int64_t b = w; b < B; b += n) norm_into_residual(buf.branch.data(), *L.attn_out_norm, xp, b);
+        sum_shards(buf.branch.data(), B, w, n, barrier);
+        for (int64_t b = w; b < B; b += n) into_residual(buf.branch.data(), L.attn_out_norm, xp, b);
       } else {
         matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), xp, true, walks);
       }
@@ -1726,10 +1840,11 @@ class FusedDecoder {
         gate_mul(activation_, gu + b * 2 * I_ + i0, gu + b * 2 * I_ + I_ + i0, act + b * I_ + i0, i1 - i0);
       barrier.wait(n);
       input(L.down, act);
-      if (L.ffn_out_norm) {
+      if (L.ffn_out_norm || group_) {
         matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), buf.branch.data(), false, walks);
         barrier.wait(n);
-        for (int64_t b = w; b < B; b += n) norm_into_residual(buf.branch.data(), *L.ffn_out_norm, xp, b);
+        sum_shards(buf.branch.data(), B, w, n, barrier);
+        for (int64_t b = w; b < B; b += n) into_residual(buf.branch.data(), L.ffn_out_norm, xp, b);
       } else {
         matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), xp, true, walks);
       }
@@ -1777,11 +1892,7 @@ class FusedDecoder {
     const int threads = team_threads();
     TeamBuffers buf(*this, B, threads);
     std::vector<T> logits(B * V);
-    struct Best {
-      int64_t index;  // -1: an empty share
-      float value;
-    };
-    std::vector<Best> best(threads * B);
+    std::vector<Best> best(threads * B), picks(B);  // each thread's, over its rows (index -1: an empty share)
     // Inside the region nothing may throw (the other threads would wait at a barrier for ever): the
     // positions of every step must lie in the rotary table (every token chosen is a row of the
     // embedding: the constructor checked the head has no more rows).
@@ -1816,14 +1927,16 @@ class FusedDecoder {
               const Best& c = best[t * B + b];
               if (c.index < 0) continue;
               if (std::isnan(c.value)) {  // the first NaN of the row
-                pick = c.index;
+                pick = c.index, top = c.value;
                 break;
               }
               if (pick < 0 || c.value > top) pick = c.index, top = c.value;
             }
-            burst.take(done, b, pick);
+            picks[b] = {vocab_start_ + pick, top};
           }
-          more = burst.go_on(++done, steps, interrupted_.load());
+          const bool stop = group_best(picks, interrupted_.load());
+          for (int64_t b = 0; b < B; ++b) burst.take(done, b, picks[b].index);
+          more = burst.go_on(++done, steps, stop);
           if (more) next_step();
         }
         barrier.wait(n);
@@ -1872,6 +1985,7 @@ class FusedDecoder {
       decode_attention<Attn>(attn_ptr(data(q)), L.kv(), s.bt, s.lens, attn_ptr(data_mut(attn)),
                              B, H_, KVH_, D_, s.nb, bs_, scale_, L.window, attn_softcap_);
       auto o = matrix_product<T>(L.o, attn, L.o_bias);
+      if (group_) group_->all_reduce(data_mut(o), B * hidden);
       if (L.attn_out_norm) rms_norm_rows(data(o), data(*L.attn_out_norm), data_mut(o), B, hidden, eps_, norm_offset_);
       add_into(xp, data(o), B * hidden);
       rms_norm_rows(xp, data(L.post_norm), data_mut(h), B, hidden, eps_, norm_offset_);
@@ -1879,18 +1993,27 @@ class FusedDecoder {
       for (int64_t b = 0; b < B; ++b)
         gate_mul(activation_, data(gu) + b * 2 * I_, data(gu) + b * 2 * I_ + I_, data_mut(act) + b * I_, I_);
       auto d = matrix_product<T>(L.down, act, L.down_bias);
+      if (group_) group_->all_reduce(data_mut(d), B * hidden);
       if (L.ffn_out_norm) rms_norm_rows(data(d), data(*L.ffn_out_norm), data_mut(d), B, hidden, eps_, norm_offset_);
       add_into(xp, data(d), B * hidden);
     }
     rms_norm_rows(xp, data(final_norm_), data_mut(out), B, hidden, eps_, norm_offset_);
   }
 
-  // Request b's row of `branch` (an attention or MLP output) normed in place by `norm`, then added to
-  // its residual row.
-  void norm_into_residual(T* branch, const torch::Tensor& norm, T* xp, int64_t b) const {
+  // Request b's row of `branch` (an attention or MLP output) normed in place by `norm` where there is one,
+  // then added to its residual row.
+  void into_residual(T* branch, const c10::optional<torch::Tensor>& norm, T* xp, int64_t b) const {
     T* row = branch + b * hidden_;
-    rms_norm_rows(row, data(norm), row, 1, hidden_, eps_, norm_offset_);
+    if (norm) rms_norm_rows(row, data(*norm), row, 1, hidden_, eps_, norm_offset_);
     add_into(xp + b * hidden_, row, hidden_);
+  }
+
+  // A shard's rows [B, hidden] of a row-parallel projection (o, down) := their sum over the group, by
+  // thread 0 while the team waits (the sum is a few KiB: splitting it would cost more barriers than it saves).
+  void sum_shards(T* rows, int64_t B, int w, int n, SpinBarrier& barrier) const {
+    if (!group_) return;
+    if (w == 0) group_->all_reduce(rows, B * hidden_);
+    barrier.wait(n);
   }
 
   int64_t H_, KVH_, D_, I_, hidden_ = 0;
@@ -2012,7 +2135,8 @@ void bind_decoder(pybind11::module& m, const char* name) {
       .def("team_stats", &D::team_stats)
       .def("run_solo", &D::run_solo, pybind11::arg("calls"), pybind11::arg("adaptive") = true)
       .def("note_lag", &D::note_lag)
-      .def("solo_left", &D::solo_left);
+      .def("solo_left", &D::solo_left)
+      .def("set_group", &D::set_group, py::arg("group"), py::arg("vocab_start"), py::arg("vocab_total"));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -2028,6 +2152,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_plan_threads", &set_plan_threads);
   m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(0, n)); },
         "input rows from which block-format products dequantize + GEMM (quant_product.h); 0: the defaults");
+  py::class_<TPGroup, std::shared_ptr<TPGroup>>(m, "ShmGroup")
+      .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, int64_t>(), py::arg("buffer"), py::arg("rank"),
+           py::arg("world"), py::arg("capacity"), py::arg("msg_capacity"))
+      .def_static("bytes", &tp::ShmGroup::bytes, py::arg("world"), py::arg("capacity"), py::arg("msg_capacity"))
+      .def("all_reduce", [](TPGroup& g, torch::Tensor x) {
+             TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "all_reduce: a contiguous CPU tensor");
+             if (x.scalar_type() == torch::kFloat) g.all_reduce(x.data_ptr<float>(), x.numel());
+             else if (x.scalar_type() == torch::kBFloat16) g.all_reduce(reinterpret_cast<uint16_t*>(x.data_ptr()), x.numel());
+             else TORCH_CHECK(false, "all_reduce: float32 or bfloat16");
+             g.check();
+           }, py::arg("x"), release())
+      .def("all_gather", [](TPGroup& g, torch::Tensor x) {
+             TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "all_gather: a contiguous float32 tensor");
+             auto out = torch::empty({g.group.world(), x.numel()}, torch::kFloat);
+             g.group.all_gather(x.data_ptr<float>(), x.numel(), out.data_ptr<float>());
+             g.check();
+             return out;
+           }, py::arg("x"), release())
+      .def("send", [](TPGroup& g, const py::bytes& b) {
+             std::string data = b;
+             TORCH_CHECK((int64_t)data.size() <= g.group.max_message(), "a step description of ", data.size(),
+                         " bytes exceeds the group's message area of ", g.group.max_message());
+             bool ok;
+             {
+               py::gil_scoped_release nogil;
+               ok = g.group.send(reinterpret_cast<const uint8_t*>(data.data()), data.size());
+             }
+             g.check();
+             return ok;
+           }, py::arg("data"))
+      .def("recv", [](TPGroup& g) -> py::object {
+             bool ok;
+             std::string data;
+             {
+               py::gil_scoped_release nogil;
+               data = g.group.recv(&ok);
+             }
+             if (!ok) return py::none();
+             return py::bytes(data);
+           })
+      .def("broken", [](const TPGroup& g) { return g.group.broken(); })
+      .def("mark_broken", [](TPGroup& g) { g.group.mark_broken(); })
+      .def_property_readonly("rank", [](const TPGroup& g) { return g.group.rank(); })
+      .def_property_readonly("world", [](const TPGroup& g) { return g.group.world(); });
   bind_decoder<float>(m, "FusedDecoderF32");
   bind_decoder<uint16_t>(m, "FusedDecoderBF16");
 #ifdef __AVX512BF16__

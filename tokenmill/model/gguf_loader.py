@@ -335,9 +335,11 @@ def _merged_group(name: str) -> list[str]:
     return [name]
 
 
-def quantized_plan(reader: GGUFFile) -> set[str]:
+def quantized_plan(reader: GGUFFile, shard=None) -> set[str]:
     """Hugging Face names of the weights that stay in their GGUF block format: the linear layers' and the
-    embedding's, where a kernel runs that format. Other quantized tensors are dequantized at load, logged."""
+    embedding's, where a kernel runs that format. Other quantized tensors are dequantized at load, logged.
+    A tensor-parallel shard (distributed/shard.py) also dequantizes a matrix whose columns it cuts between
+    blocks (a row-parallel K/world not a multiple of the format's block)."""
     from tokenmill.kernels import quant
 
     candidates, without_kernel = set(), {}
@@ -350,7 +352,12 @@ def quantized_plan(reader: GGUFFile) -> set[str]:
             without_kernel.setdefault("experts stored one tensor each (an older layout)", []).append(t.name)
         elif int(t.tensor_type) in quant.FORMATS and len(t.shape) == (3 if stacked else 2) and hf.endswith(".weight") \
                 and "norm" not in hf:
-            candidates.add(hf)
+            shape = (int(np.prod(t.shape[1:], dtype=np.int64)), int(t.shape[0]))
+            if shard is not None and not shard.splits_blocks(hf.removeprefix("model."), shape,
+                                                             quant.FORMATS[int(t.tensor_type)][1]):
+                without_kernel.setdefault("a tensor-parallel cut between blocks", []).append(t.name)
+            else:
+                candidates.add(hf)
         else:
             without_kernel.setdefault(f"no kernel for {t.tensor_type.name}", []).append(t.name)
     for why, names in without_kernel.items():
@@ -383,12 +390,13 @@ def quantized_layout(reader: GGUFFile, plan: set[str]) -> tuple[dict[str, tuple[
     return layout, total
 
 
-def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict | None = None):
+def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict | None = None, shard=None):
     """(Hugging Face name, tensor) for every tensor: a QuantizedWeight (the file's blocks) for the names in
-    `keep`, written into place[name] where given, else a float32 tensor, dequantized."""
+    `keep`, written into place[name] where given, else a float32 tensor, dequantized. A tensor-parallel
+    shard's blocks are cut here, before they are repacked (its float tensors are cut by the loader)."""
     from gguf.quants import dequantize
 
-    from tokenmill.kernels.quant import QuantizedWeight
+    from tokenmill.kernels.quant import FORMATS, QuantizedWeight
 
     permute = config["model_type"] in ("llama", "mistral", "mixtral")
     # llama.cpp's converter stores Gemma's norm weights w as 1 + w (the scale it multiplies by).
@@ -402,6 +410,10 @@ def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict
         if hf in keep:
             shape = (int(np.prod(t.shape[1:], dtype=np.int64)), int(t.shape[0]))
             rows = _unpermute(t.data, heads) if permute and heads else t.data
+            if shard is not None:
+                _, block, block_bytes = FORMATS[int(t.tensor_type)]
+                rows, shape = shard.block_rows(hf.removeprefix("model."), np.asarray(rows).reshape(shape[0], -1),
+                                               shape, block, block_bytes)
             data = torch.from_numpy(np.array(rows, copy=True, order="C"))
             out = (place or {}).get(hf)
             yield hf, QuantizedWeight.from_blocks(int(t.tensor_type), shape, data, name=t.name, out=out)

@@ -42,6 +42,9 @@ class _QuantizableLinear(nn.Module):
     out_sizes: list[int]
     qweight = None  # QuantizedWeight, or a list of them (one per part) where the parts' formats differ
     _qparts: list | None = None  # the parts as they arrive; None: a float layer
+    # A tensor-parallel row-parallel layer (distributed/): each rank's product is a partial sum, added up
+    # over this group's ranks (the bias is on rank 0 alone).
+    sum_group = None
 
     def quantize_weight(self) -> None:
         self.register_parameter("weight", None)
@@ -88,9 +91,11 @@ class _QuantizableLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qweight
         if q is None:
-            return linear(x, self.weight, self.bias)
-        y = torch.cat([p.matmul(x) for p in q], dim=-1) if isinstance(q, list) else q.matmul(x)
-        return y if self.bias is None else y + self.bias
+            y = linear(x, self.weight, self.bias)
+        else:
+            y = torch.cat([p.matmul(x) for p in q], dim=-1) if isinstance(q, list) else q.matmul(x)
+            y = y if self.bias is None else y + self.bias
+        return y if self.sum_group is None else self.sum_group.all_reduce(y)
 
 
 class MergedLinear(_QuantizableLinear):
@@ -132,6 +137,10 @@ class Embedding(_QuantizableLinear):
     """Token embedding: a [vocab, hidden] table, float or quantized (the looked-up rows are then
     dequantized), which serves as the output layer where the two are tied."""
 
+    # A tensor-parallel shard's table holds rows [vocab_start, vocab_start + num_embeddings) of a vocabulary
+    # of `vocab` (shard_of); a token's row then comes from the rank holding it, summed over `group`.
+    vocab_start, vocab, group = 0, None, None
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -139,7 +148,18 @@ class Embedding(_QuantizableLinear):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
         self.bias = None
 
+    def shard_of(self, vocab_start: int, vocab: int, group) -> None:
+        self.vocab_start, self.vocab, self.group = vocab_start, vocab, group
+
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.group is not None:
+            local = ids - self.vocab_start
+            inside = (local >= 0) & (local < self.num_embeddings)
+            rows = self._rows(torch.where(inside, local, torch.zeros_like(local)), dtype)
+            return self.group.all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
+        return self._rows(ids, dtype)
+
+    def _rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.dequantize(ids).view(*ids.shape, self.embedding_dim).to(dtype)
         return F.embedding(ids, self.weight)

@@ -179,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
             logger.info("the fused decode step does not run mixture-of-experts layers: decode steps run module by "
                         "module (each active expert's tokens in one product)")
             return None
+        if self.tp_group is not None and self.tp_group.fused is None:
+            logger.info("the fused decode step sums over tensor-parallel ranks of one host only: decode steps run "
+                        "module by module")
+            return None
         if not cpu_kernels.head_dim_ok(cfg.head_dim) or \
                 any(n % 32 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
             logger.info("the fused decode step takes head_dim a multiple of 16 up to 128 or 256, and sizes that are "
@@ -211,10 +215,18 @@ class LlamaForCausalLM(nn.Module):
                             t(m.down_proj, "bias"), *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0),
                             attn_out_norm=t(layer.post_attention_layernorm) if sandwich else None,
                             ffn_out_norm=t(layer.post_feedforward_layernorm) if sandwich else None, rope=layer.rope)
+        if self.tp_group is not None:
+            fused.set_group(self.tp_group.fused, self.tp_shard.vocab_range[0], cfg.vocab_size)
         return fused
+
+    tp_group = tp_shard = None  # a tensor-parallel shard's group and Shard (distributed/tensor_parallel.py)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.embed_tokens.as_output(hidden) if self.lm_head is None else self.lm_head(hidden)
+        if self.tp_group is not None:
+            from tokenmill.distributed.tensor_parallel import gather_vocab
+
+            logits = gather_vocab(self.tp_group, logits, self.config.vocab_size)
         return softcap(logits, self.config.final_softcap)
 
     # ------------------------------------------------------------------ weights

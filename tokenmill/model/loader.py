@@ -45,12 +45,13 @@ class LoadedModel:
 
 
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               max_positions: int | None = None, quantization: str = "auto") -> LoadedModel:
+               max_positions: int | None = None, quantization: str = "auto", tensor_parallel=None) -> LoadedModel:
     """Resolve the name (None: the default model), read config and tokenizer, build and fill the model.
 
     quantization "auto" runs a quantized GGUF file in its own formats (the weights stay as the file holds
     them); "none" dequantizes every weight to dtype (the reference path); "int8" / "int4" quantize float
-    weights at load (quantize_on_load)."""
+    weights at load (quantize_on_load). tensor_parallel: (rank, world, group) to load that rank's shard
+    (distributed/shard.py), whose products sum over the group."""
     if quantization not in QUANTIZATION:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {quantization!r}")
     start = time.perf_counter()
@@ -61,13 +62,14 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
         reader = gguf_loader.GGUFFile(path)
         hf_config = gguf_loader.read_config(reader)
         tokenizer = gguf_loader.build_tokenizer(reader) or _transformers_gguf_tokenizer(path)
+        shard = _shard(hf_config, tensor_parallel)
         if quantization == "auto" and device.type == "cpu":
-            quantized = gguf_loader.quantized_plan(reader)
+            quantized = gguf_loader.quantized_plan(reader, shard)
         elif quantization == "auto" and gguf_loader.quantized_types(reader):
             logger.info("quantized GGUF weights are dequantized to %s on %s (their kernels run on the CPU)",
                         str(dtype).removeprefix("torch."), device.type)
         place = None
-        if quantized:  # the blocks go to one huge-page buffer, as the float weights do (arena.py)
+        if quantized and shard is None:  # the blocks go to one huge-page buffer, as the float weights do (arena.py)
             layout, total = gguf_loader.quantized_layout(reader, quantized)
             buffer = arena.huge_page_buffer(total)
             place = {name: buffer[off:off + rows * row_bytes].view(rows, row_bytes)
@@ -78,7 +80,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
                 raise ValueError(f"{os.path.basename(path)} is already quantized ({', '.join(kinds)}); quantization "
                                  f"{quantization!r} applies to float weights (F32/F16/BF16 GGUF files, Hugging Face "
                                  "folders): leave it at 'auto' to run the file's own formats")
-        weights = gguf_loader.iter_weights(reader, hf_config, quantized, place)
+        weights = gguf_loader.iter_weights(reader, hf_config, quantized, place, shard)
         generation_config = {}
         gguf_sampling = {k: v for k, v in reader.fields.items() if k.startswith("general.sampling.")}
     elif os.path.isdir(path):
@@ -97,8 +99,16 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
         cpu_kernels.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
+    shard = _shard(hf_config, tensor_parallel)
     with torch.device("meta"):
-        model = cls(hf_config, backend, positions)
+        if shard is None:
+            model = cls(hf_config, backend, positions)
+        else:
+            from tokenmill.distributed import tensor_parallel as tp
+
+            model = cls(shard.config(hf_config), backend, positions)
+            tp.make_shard(model, shard, tensor_parallel[2])
+            weights = tp.cut_float_weights(model, shard, weights)
     model.quantize_weights(quantized)
     if quantization in quant.QUANTIZE_TO:
         weights = quantize_on_load(model, weights, quantization)
@@ -130,6 +140,16 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
                 weight_bytes(model) / 2**20, elapsed)
     return LoadedModel(model, hf_config, tokenizer, generation_config, path, elapsed, gguf_sampling,
                        named_model_at(path))
+
+
+def _shard(hf_config: dict, tensor_parallel):
+    """The Shard of (rank, world, group), or None."""
+    if tensor_parallel is None:
+        return None
+    from tokenmill.distributed.shard import Shard
+
+    rank, world, _ = tensor_parallel
+    return Shard.of(hf_config, rank, world)
 
 
 def _release_freed_memory() -> None:

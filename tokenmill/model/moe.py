@@ -152,9 +152,11 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights if self.spec.weights_in_float else weights.to(logits.dtype)
 
+    sum_group = None  # tensor parallel: each rank's experts hold a slice of every expert (distributed/)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         y = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return y if self.sum_group is None else self.sum_group.all_reduce(y)

@@ -1,0 +1,281 @@
+"""Tensor parallelism: a model split over 2 ranks gives transformers' greedy tokens, in every scheduling mode;
+the cuts reassemble the whole model; a dead rank fails the engine's call instead of hanging it; no rank
+outlives its engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ARCHS, PROMPTS, block_bytes, hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.distributed.shard import Shard
+from tokenmill.kernels import quant
+
+MAX_NEW = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def assert_stopped(llm: LLM) -> None:
+    """Shutting the engine down leaves no rank behind."""
+    pids = llm.engine.tp.pids
+    llm.engine.shutdown()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids), "a tensor-parallel rank outlived its engine"
+
+
+_reference: dict[str, list] = {}
+
+
+def reference(folder: str, prompt_ids):
+    if folder not in _reference:
+        _reference[folder] = hf_greedy(folder, prompt_ids, MAX_NEW)[0]
+    return _reference[folder]
+
+
+def run_split(folder: str, **kwargs) -> tuple[LLM, list, list]:
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=2, **kwargs)
+    tok = llm.get_tokenizer()
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate(prompt_ids, GREEDY)
+    return llm, prompt_ids, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_model_matches_transformers(tiny_models, arch):
+    """Every architecture split over 2 ranks: the batch's greedy tokens equal transformers' on the whole model,
+    and each rank holds half of the heads."""
+    folder = tiny_models[arch]
+    llm, prompt_ids, tokens = run_split(folder)
+    try:
+        cfg = llm.engine.model.config
+        assert cfg.num_kv_heads == 1 and llm.engine.tp.world == 2, "rank 0 should hold one of the 2 KV heads"
+        assert tokens == reference(folder, prompt_ids)
+        pool = llm.engine.kv_manager.pool
+        assert pool.num_free == pool.num_blocks
+    finally:
+        assert_stopped(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2-moe"])
+@pytest.mark.parametrize("mode", ["chunked", "preempt", "prefix-hits"])
+def test_split_model_in_every_scheduling_mode(tiny_models, arch, mode):
+    folder = tiny_models[arch]
+    kwargs = {"chunked": {"max_num_batched_tokens": 7},
+              # Each rank holds half the KV heads: 20 blocks of 4 tokens in half a block's bytes each.
+              "preempt": {"block_size": 4, "kv_cache_memory": 20 * block_bytes(folder, 4) // 2},
+              "prefix-hits": {"block_size": 4}}[mode]
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=2, **kwargs)
+    try:
+        tok = llm.get_tokenizer()
+        prompt_ids = [tok.encode(p) for p in PROMPTS]
+        if mode == "prefix-hits":
+            llm.generate(prompt_ids[5:6], GREEDY)
+            prompt_ids = [prompt_ids[5][:n] + tok.encode(" fox") for n in (4, 9, 17)] + prompt_ids
+        outs = llm.generate(prompt_ids, GREEDY)
+        ref = hf_greedy(folder, prompt_ids, MAX_NEW)[0] if mode == "prefix-hits" else reference(folder, prompt_ids)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        engine = llm.engine
+        if mode == "preempt":
+            assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
+        if mode == "prefix-hits":
+            assert engine.kv_manager.num_hit_tokens > 0
+    finally:
+        assert_stopped(llm)
+
+
+def test_default_model_split_matches_transformers_and_one_rank(default_gguf):
+    """The real default model (9 query and 3 KV heads: 1 and 2 KV heads a rank) over 2 ranks: weights
+    dequantized, transformers' tokens; in the file's own block formats (cut in their blocks), the tokens of
+    the same formats on one rank."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(default_gguf), os.path.basename(default_gguf)
+    ref_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    split = LLM(dtype="float32", quantization="none", tensor_parallel_size=2, kv_cache_memory="64MiB")
+    try:
+        outs = split.generate(prompts, params)
+    finally:
+        assert_stopped(split)
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            ids = ref_tok(prompt, return_tensors="pt").input_ids
+            ref = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                 pad_token_id=ref_tok.eos_token_id)
+            assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+    # The file's own block formats: each rank's products quantize their inputs to 8 bits in blocks of 32,
+    # and a sum in another order can round an input the other way, so the split model's numbers differ from
+    # the whole one's by the formats' own noise, not bit for bit. Its prompt logprobs of a long text stay
+    # within that noise of the whole model's (a cut in the wrong place would be far off).
+    text = TEXT_FOR_LOGPROBS
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    whole = LLM(dtype="float32", kv_cache_memory="64MiB")
+    expected = whole.generate(text, params)[0].prompt_logprobs[1:]
+    split = LLM(dtype="float32", tensor_parallel_size=2, kv_cache_memory="64MiB")
+    try:
+        assert split.engine.model.quantized, "the split model should run the file's block formats"
+        got = split.generate(text, params)[0].prompt_logprobs[1:]
+    finally:
+        assert_stopped(split)
+    a = np.array([next(iter(lp.values())).logprob for lp in expected])
+    b = np.array([next(iter(lp.values())).logprob for lp in got])
+    assert len(a) > 60
+    assert np.abs(a - b).mean() < 0.05, np.abs(a - b).mean()
+    assert abs(a.mean() - b.mean()) < 0.01 * abs(a.mean())
+
+
+TEXT_FOR_LOGPROBS = ("The history of the city begins with a small settlement on the river, where traders met to "
+                     "exchange grain, salt and cloth. Over the centuries it grew into a market town, then a "
+                     "regional capital with a cathedral, a university and a busy port. Today its old streets "
+                     "draw visitors from around the world, who come for the museums, the food and the music.")
+
+
+def test_split_model_samples_as_the_whole_one(tiny_models):
+    """Seeded sampling (single steps, not bursts) draws the same tokens from the split float32 model."""
+    folder = tiny_models["llama"]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
+    whole = LLM(folder, dtype="float32")
+    expected = [o.outputs[0].token_ids for o in whole.generate(PROMPTS, params)]
+    split = LLM(folder, dtype="float32", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in split.generate(PROMPTS, params)] == expected
+    finally:
+        assert_stopped(split)
+
+
+def test_a_dead_rank_fails_the_call_instead_of_hanging(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", tensor_parallel_size=2)
+    try:
+        llm.generate("The quick brown fox", GREEDY)
+        os.kill(llm.engine.tp.pids[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank"):
+            llm.generate("The quick brown fox", GREEDY)
+        assert time.monotonic() - start < 10
+    finally:
+        assert_stopped(llm)
+
+
+def test_ranks_die_with_their_engine_process(tiny_models):
+    """A killed engine process takes its ranks with it."""
+    code = ("import sys, time\nfrom tokenmill import LLM\n"
+            f"llm = LLM({tiny_models['llama']!r}, dtype='float32', tensor_parallel_size=2)\n"
+            "print(*llm.engine.tp.pids, flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids and all(alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in pids), "a rank outlived its killed engine"
+    finally:
+        proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------- the cuts
+
+SHARD = dict(num_heads=6, num_kv_heads=3, head_dim=8, intermediate=96, expert_intermediate=64,
+             shared_intermediate=64, vocab=101)
+
+
+def shards(world: int = 2) -> list[Shard]:
+    return [Shard(rank, world, **SHARD) for rank in range(world)]
+
+
+@pytest.mark.parametrize("name, shape, how", [
+    ("layers.0.self_attn.q_proj.weight", (48, 20), "rows"),
+    ("layers.0.self_attn.k_proj.bias", (24,), "rows"),
+    ("layers.0.mlp.gate_proj.weight", (96, 20), "rows"),
+    ("layers.0.self_attn.o_proj.weight", (20, 48), "cols"),
+    ("layers.0.mlp.down_proj.weight", (20, 96), "cols"),
+    ("embed_tokens.weight", (101, 20), "rows"),
+    ("lm_head.weight", (101, 20), "rows"),
+    ("layers.0.mlp.experts.3.up_proj.weight", (64, 20), "rows"),
+    ("layers.0.mlp.experts.down_proj.weight", (4, 20, 64), "cols"),
+    ("layers.0.mlp.shared_expert.down_proj.weight", (20, 64), "cols"),
+    ("layers.0.input_layernorm.weight", (20,), "whole"),
+    ("layers.0.mlp.gate.weight", (4, 20), "whole"),
+])
+def test_the_ranks_cuts_reassemble_the_tensor(name, shape, how):
+    t = torch.randn(shape)
+    parts = [s.float_tensor(name, t) for s in shards()]
+    if how == "whole":
+        assert all(torch.equal(p, t) for p in parts)
+    else:
+        assert torch.equal(torch.cat(parts, dim=-1 if how == "cols" else 0), t)
+        assert parts[0].numel() < t.numel()
+
+
+def test_merged_projections_and_stacked_experts_cut_each_part():
+    qkv = torch.randn(48 + 24 + 24, 20)
+    parts = [s.float_tensor("layers.0.self_attn.qkv_proj.weight", qkv) for s in shards()]
+    # rank 0 holds KV head 0 (query heads 0-1), rank 1 KV heads 1-2 (query heads 2-5)
+    assert torch.equal(parts[0], torch.cat([qkv[0:16], qkv[48:56], qkv[72:80]]))
+    assert torch.equal(parts[1], torch.cat([qkv[16:48], qkv[56:72], qkv[80:96]]))
+    experts = torch.randn(4, 64, 20)
+    parts = [s.float_tensor("layers.0.mlp.experts.gate_proj.weight", experts) for s in shards()]
+    assert torch.equal(torch.cat(parts, dim=1), experts)
+
+
+def test_row_parallel_bias_is_added_once():
+    b = torch.randn(20)
+    parts = [s.float_tensor("layers.0.self_attn.o_proj.bias", b) for s in shards()]
+    assert torch.equal(parts[0], b) and torch.equal(parts[1], torch.zeros(20))
+
+
+def test_block_format_cuts_are_the_cuts_of_the_values():
+    """A Q8_0 matrix cut in its blocks (rows and columns) holds exactly the values of the cut float matrix."""
+    if quant.load() is None:
+        pytest.skip("no quantized-weight kernels")
+    g = torch.randn(20, 3, 32)  # GGUF's Q8_0 blocks: a float16 scale, then 32 int8 codes
+    d = (g.abs().amax(-1, keepdim=True) / 127).half()
+    codes = (g / d.float()).round().clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.view(torch.uint8).reshape(20, 3, 2), codes.view(torch.uint8)], -1).reshape(20, -1).numpy()
+    whole = quant.QuantizedWeight.from_blocks(8, (20, 96), torch.from_numpy(blocks.copy())).dequantize()
+    for s in shards():
+        rows, shape = s.block_rows("layers.0.mlp.down_proj.weight", blocks, (20, 96), 32, 34)
+        part = quant.QuantizedWeight.from_blocks(8, shape, torch.from_numpy(rows))
+        lo, hi = s._part("i")
+        assert torch.equal(part.dequantize(), whole[:, lo:hi])
+    assert not Shard(0, 2, **{**SHARD, "intermediate": 64 + 32 * 3}).splits_blocks(
+        "layers.0.mlp.down_proj.weight", (20, 160), 256)
+
+
+def test_sizes_that_do_not_split_are_refused():
+    with pytest.raises(ValueError, match="key/value heads"):
+        Shard.of({"num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 64, "intermediate_size": 128,
+                  "vocab_size": 100}, 0, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM("nowhere", tensor_parallel_size=0)
+
+
+def test_vocab_slices_cover_the_vocabulary_once():
+    ranges = [s.vocab_range for s in shards(3)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 101
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert np.diff([r[1] - r[0] for r in ranges[:-1]]).max(initial=0) == 0

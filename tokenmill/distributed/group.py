@@ -1,0 +1,133 @@
+"""The tensor-parallel ranks as a group: sums and gathers over the ranks, and rank 0's step descriptions.
+
+Two transports behind one interface:
+- ShmGroup: the ranks of one host, through a buffer each of them maps (kernels/shm_group.h). A sum of a few
+  KiB takes microseconds, and the fused CPU decode step calls it from inside its own loop, twice a layer.
+- TorchGroup: torch.distributed (gloo on CPUs, between hosts too; NCCL on GPUs). About 0.8 ms a sum over
+  loopback TCP on a 2-core machine, so decode steps run module by module there; it is the transport for
+  ranks on several hosts, started by torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+
+import torch
+
+# Floats per rank and slot of a ShmGroup (larger sums go in pieces), and bytes of its message area.
+SHM_CAPACITY = 1 << 20
+SHM_MESSAGE_BYTES = 64 << 20
+
+
+class ShmGroup:
+    """The ranks of one host over a shared buffer in /dev/shm (rank 0 creates it; create() / attach())."""
+
+    def __init__(self, path: str, rank: int, world: int) -> None:
+        from tokenmill.kernels import cpu
+
+        kernels = cpu.load()
+        if kernels is None:
+            raise RuntimeError("tensor parallelism on the CPU needs the compiled CPU kernels, which could not be built")
+        size = kernels.ShmGroup.bytes(world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
+        self.path, self.rank, self.world = path, rank, world
+        self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.kernel = kernels.ShmGroup(self.buffer, rank, world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
+
+    @classmethod
+    def create(cls, world: int) -> "ShmGroup":
+        """Rank 0's group: a new zeroed buffer, which attach(path) maps on the other ranks."""
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="tokenmill-tp-", dir=folder)
+        os.close(fd)
+        return cls(path, 0, world)
+
+    @classmethod
+    def attach(cls, path: str, rank: int, world: int) -> "ShmGroup":
+        return cls(path, rank, world)
+
+    def unlink(self) -> None:
+        """Removes the buffer's name (every rank has mapped it by then; the mappings stay)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x (added in rank order: every rank gets the same bits)."""
+        x = x.contiguous()
+        self.kernel.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[world, *x.shape]: every rank's x (float32), in rank order."""
+        out = self.kernel.all_gather(x.float().contiguous().reshape(-1))
+        return out.view(self.world, *x.shape)
+
+    def send(self, message) -> None:
+        """Rank 0: a step description to every other rank."""
+        if not self.kernel.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)):
+            raise RuntimeError("a tensor-parallel rank has stopped")
+
+    def recv(self):
+        """The other ranks: rank 0's next message; None once the group is broken (rank 0 gone, or closed)."""
+        data = self.kernel.recv()
+        return None if data is None else pickle.loads(data)
+
+    def broken(self) -> bool:
+        return self.kernel.broken()
+
+    def close(self) -> None:
+        """Marks the group broken: every rank waiting in it returns (the others' recv gives None)."""
+        self.kernel.mark_broken()
+
+    @property
+    def fused(self):
+        """The kernel group the fused decode step sums through."""
+        return self.kernel
+
+
+class TorchGroup:
+    """The ranks over torch.distributed's default process group (gloo or NCCL), however it was started."""
+
+    fused = None  # the fused CPU decode step cannot call into it: decode steps run module by module
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._broken = False
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32, as ShmGroup sums: bfloat16 partial sums would round at every addition.
+        y = x.float().contiguous()
+        self.dist.all_reduce(y)
+        return y.to(x.dtype)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        out = [torch.empty_like(x) for _ in range(self.world)]
+        self.dist.all_gather(out, x)
+        return torch.stack(out)
+
+    def send(self, message) -> None:
+        self.dist.broadcast_object_list([message], src=0)
+
+    def recv(self):
+        box = [None]
+        try:
+            self.dist.broadcast_object_list(box, src=0)
+        except RuntimeError:  # rank 0 gone
+            return None
+        return box[0]
+
+    def broken(self) -> bool:
+        return self._broken
+
+    def close(self) -> None:
+        self._broken = True
+
+    def unlink(self) -> None:
+        pass

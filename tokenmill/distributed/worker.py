@@ -1,0 +1,104 @@
+"""A tensor-parallel rank other than 0, as a process of its own (`python -m tokenmill.distributed.worker`,
+started by executor.TensorParallel): it loads its shard, says "ready" (or "error: ...") on stdout, then runs
+rank 0's calls until told to stop or until rank 0 is gone.
+
+Its arguments come pickled on stdin: (EngineConfig, rank, world, the group's buffer path, threads, whether to
+die with the parent)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+
+import torch
+
+from tokenmill.distributed.group import ShmGroup
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl
+            os._exit(1)
+
+
+def main() -> None:
+    config, rank, world, path, threads, die_with_parent = pickle.loads(sys.stdin.buffer.read())
+    if die_with_parent:
+        _die_with_parent()
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr  # the status line is stdout's only content
+    torch.set_num_threads(threads)
+    group = None
+    try:
+        from tokenmill.attention.cpu import TorchSDPABackend
+        from tokenmill.config import resolve_device, resolve_dtype
+        from tokenmill.llm import _configure_logging
+        from tokenmill.model.loader import load_model
+        from tokenmill.runner import ModelRunner
+
+        _configure_logging()
+        logging.getLogger("tokenmill").setLevel(logging.WARNING)  # rank 0 says what the ranks load
+        group = ShmGroup.attach(path, rank, world)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device, None)
+        loaded = load_model(config.model, dtype, device, TorchSDPABackend(), max_positions=config.max_model_len,
+                            quantization=config.quantization, tensor_parallel=(rank, world, group))
+    except BaseException as e:
+        out.write(f"error: {type(e).__name__}: {e}".replace("\n", " ") + "\n")
+        out.flush()
+        if group is not None:
+            group.close()
+        sys.exit(1)
+    out.write("ready\n")
+    out.flush()
+    try:
+        message = group.recv()
+        if message is None or message[0] != "init":
+            return
+        _, num_blocks, max_model_len = message
+        runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed,
+                             max_model_len=max_model_len, kv_cache_dtype=config.kv_cache_dtype)
+        serve(group, loaded.model, runner)
+    except BaseException:
+        traceback.print_exc()
+        group.close()
+        sys.exit(1)
+
+
+@torch.inference_mode()
+def serve(group, model, runner) -> None:
+    """Runs rank 0's calls on this rank's shard, until "stop" or a broken group."""
+    kv = runner.kv_caches
+    governor = runner.governor or contextlib.nullcontext()
+    while True:
+        message = group.recv()
+        if message is None or message[0] == "stop":
+            return
+        op, *args = message
+        with governor:
+            if op == "forward":
+                ids, pos, meta = args
+                model(ids, pos, kv, meta)
+            elif op == "decode_logits":
+                ids, pos, meta = args
+                model.decode_logits(ids, pos, kv, meta)
+            elif op == "logits":
+                model.compute_logits(args[0])
+            elif op == "burst":
+                meta, ids, pos, slots, bt, lens, stop_ids = args
+                fused = model._fused_decoder(kv, meta)
+                fused.clear_interrupt()
+                fused.decode_greedy(ids, pos, slots, bt, lens, stop_ids)
+            else:
+                raise RuntimeError(f"unknown tensor-parallel call {op!r}")
+
+
+if __name__ == "__main__":
+    main()
