@@ -279,3 +279,46 @@ def test_vocab_slices_cover_the_vocabulary_once():
     assert ranges[0][0] == 0 and ranges[-1][1] == 101
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert np.diff([r[1] - r[0] for r in ranges[:-1]]).max(initial=0) == 0
+
+
+def rank_pids(parent: int) -> list[int]:
+    """The tensor-parallel ranks a process started."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().split(")")[-1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if ppid == parent and b"tokenmill.distributed.worker" in cmd:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_server_with_a_split_model(tiny_models, sig):
+    """`tokenmill serve --tensor-parallel-size 2` answers the openai client as the whole model does, and its
+    ranks end with it, whether it is stopped or killed."""
+    import openai
+
+    from tests.server_utils import ServerProcess
+
+    folder = tiny_models["llama"]
+    expected = LLM(folder, dtype="float32").generate(PROMPTS[0], GREEDY)[0].outputs[0].text
+    server = ServerProcess(folder, "--dtype", "float32", "--tensor-parallel-size", "2", "--served-model-name", "tiny")
+    try:
+        ranks = rank_pids(server.proc.pid)
+        assert len(ranks) == 1
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0,
+                                         extra_body={"min_tokens": MAX_NEW})
+        assert done.choices[0].text == expected
+    finally:
+        server.stop(sig)
+    deadline = time.monotonic() + 10
+    while alive(ranks[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(ranks[0]), "the rank outlived its server"
