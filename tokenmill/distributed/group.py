@@ -78,6 +78,10 @@ class ShmGroup:
     def broken(self) -> bool:
         return self.kernel.broken()
 
+    def stats(self) -> tuple[int, float, float]:
+        """(sums and gathers run, seconds in them, seconds of that waiting for the other ranks)."""
+        return self.kernel.stats()
+
     def close(self) -> None:
         """Marks the group broken: every rank waiting in it returns (the others' recv gives None)."""
         self.kernel.mark_broken()

@@ -2193,6 +2193,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return py::bytes(data);
            })
       .def("broken", [](const TPGroup& g) { return g.group.broken(); })
+      .def("stats", [](const TPGroup& g) { return g.group.stats(); },
+           "(collectives run, seconds in them, seconds of that waiting for the other ranks)")
       .def("mark_broken", [](TPGroup& g) { g.group.mark_broken(); })
       .def_property_readonly("rank", [](const TPGroup& g) { return g.group.rank(); })
       .def_property_readonly("world", [](const TPGroup& g) { return g.group.world(); });

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <immintrin.h>
@@ -94,6 +95,7 @@ class ShmGroup {
   // x[n] := the sum of every rank's x[n], added in rank order in float32 and rounded to T once.
   template <typename T, typename ToFloat, typename FromFloat>
   void all_reduce(T* x, int64_t n, ToFloat to_float, FromFloat from_float) {
+    const Clock clock(*this);
     for (int64_t done = 0; done < n; done += capacity_) {
       const int64_t m = std::min(capacity_, n - done);
       float* mine = post_begin();
@@ -112,6 +114,7 @@ class ShmGroup {
 
   // out[r * n + i] := rank r's x[i], for every rank r (n floats at most `capacity` a call).
   void all_gather(const float* x, int64_t n, float* out) {
+    const Clock clock(*this);
     for (int64_t done = 0; done < n; done += capacity_) {
       const int64_t m = std::min(capacity_, n - done);
       std::memcpy(post_begin(), x + done, m * sizeof(float));
@@ -152,7 +155,21 @@ class ShmGroup {
 
   int64_t max_message() const { return msg_capacity_; }
 
+  // (collectives run, seconds spent in them, seconds of that waiting for the other ranks) since the start.
+  std::tuple<int64_t, double, double> stats() const { return {calls_, busy_ns_ * 1e-9, wait_ns_ * 1e-9}; }
+
  private:
+  struct Clock {  // adds a collective's time to the group's count
+    ShmGroup& g;
+    const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    explicit Clock(ShmGroup& group) : g(group) {}
+    ~Clock() {
+      ++g.calls_;
+      g.busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    }
+  };
+  int64_t calls_ = 0, busy_ns_ = 0, wait_ns_ = 0;
+
   float* slot(int64_t r, uint32_t s) const { return slots_ + (r * 2 + (s & 1)) * capacity_; }
   float* grow(int64_t m) {
     x_sum_.resize(m);
@@ -168,9 +185,12 @@ class ShmGroup {
     RankLine& me = ranks_[rank_];
     me.seq.store(s, std::memory_order_release);
     if (me.sleepers.load()) futex_wake(&me.seq);
-    for (int64_t r = 0; r < world_; ++r)
-      if (r != rank_ && !wait_until(&ranks_[r].seq, &ranks_[r].sleepers, s, false)) return false;
-    return true;
+    const auto start = std::chrono::steady_clock::now();
+    bool ok = true;
+    for (int64_t r = 0; r < world_ && ok; ++r)
+      if (r != rank_ && !wait_until(&ranks_[r].seq, &ranks_[r].sleepers, s, false)) ok = false;
+    wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    return ok;
   }
 
   // Waits until *word reaches target: spinning for a while (a peer in the same step arrives within

@@ -335,6 +335,16 @@ def _merged_group(name: str) -> list[str]:
     return [name]
 
 
+def down_block(reader: GGUFFile) -> int:
+    """The largest block of the formats the file's down projections are in (32 where none has a kernel's
+    block format): a tensor-parallel cut of their columns falls on its multiples (distributed/shard.py)."""
+    from tokenmill.kernels import quant
+
+    blocks = [quant.FORMATS[int(t.tensor_type)][1] for t in reader.tensors
+              if t.name.split(".")[-2].startswith("ffn_down") and int(t.tensor_type) in quant.FORMATS]
+    return max(blocks, default=32)
+
+
 def quantized_plan(reader: GGUFFile, shard=None) -> set[str]:
     """Hugging Face names of the weights that stay in their GGUF block format: the linear layers' and the
     embedding's, where a kernel runs that format. Other quantized tensors are dequantized at load, logged.

@@ -57,12 +57,12 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     start = time.perf_counter()
     path = resolve_model_path(name)
     quantized: set[str] = set()
-    reader = None
+    reader = shard = None
     if path.endswith(".gguf"):
         reader = gguf_loader.GGUFFile(path)
         hf_config = gguf_loader.read_config(reader)
         tokenizer = gguf_loader.build_tokenizer(reader) or _transformers_gguf_tokenizer(path)
-        shard = _shard(hf_config, tensor_parallel)
+        shard = _shard(hf_config, tensor_parallel, gguf_loader.down_block(reader) if quantization == "auto" else 32)
         if quantization == "auto" and device.type == "cpu":
             quantized = gguf_loader.quantized_plan(reader, shard)
         elif quantization == "auto" and gguf_loader.quantized_types(reader):
@@ -99,7 +99,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
         cpu_kernels.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
-    shard = _shard(hf_config, tensor_parallel)
+    if tensor_parallel is not None and shard is None:
+        shard = _shard(hf_config, tensor_parallel)
     with torch.device("meta"):
         if shard is None:
             model = cls(hf_config, backend, positions)
@@ -142,14 +143,14 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
                        named_model_at(path))
 
 
-def _shard(hf_config: dict, tensor_parallel):
+def _shard(hf_config: dict, tensor_parallel, granule: int = 32):
     """The Shard of (rank, world, group), or None."""
     if tensor_parallel is None:
         return None
     from tokenmill.distributed.shard import Shard
 
     rank, world, _ = tensor_parallel
-    return Shard.of(hf_config, rank, world)
+    return Shard.of(hf_config, rank, world, granule)
 
 
 def _release_freed_memory() -> None:
