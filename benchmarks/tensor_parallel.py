@@ -33,17 +33,20 @@ def cases(tokens: int) -> dict:
             "batch 8, greedy": ([f"{PROMPT} Chapter {i}." for i in range(8)], greedy)}
 
 
-def run(llm: LLM, threads: int, prompts, params) -> tuple[float, float, float]:
-    """(output tokens/s, seconds in the group's sums, seconds of that waiting) of one generate call."""
+def run(llm: LLM, threads: int, prompts, params) -> tuple[float, ...]:
+    """Output tokens/s of one generate call, then for each rank of a split engine the shares of the call's
+    time it spent in the group's sums, and waiting in them."""
     torch.set_num_threads(threads)
     tp = llm.engine.tp
-    before = tp.group.stats() if tp else (0, 0.0, 0.0)
+    ranks = range(tp.world) if tp else ()
+    before = [tp.group.stats(r) for r in ranks]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    after = tp.group.stats() if tp else (0, 0.0, 0.0)
+    after = [tp.group.stats(r) for r in ranks]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / wall, (after[1] - before[1]) / wall, (after[2] - before[2]) / wall
+    shares = [(a[i] - b[i]) / wall for a, b in zip(after, before) for i in (1, 2)]
+    return (tokens / wall, *shares)
 
 
 def main() -> None:
@@ -69,14 +72,12 @@ def main() -> None:
                 results[case, name].append(run(llm, n, prompts, params))
     print(f"model {args.model}, {threads} CPUs; TP=1: {threads} threads, TP=2: "
           f"{split.engine.tp.threads} thread(s) a rank; medians of {args.rounds} rounds")
-    print("| case | TP=1 tok/s | TP=2 tok/s | TP=2 / TP=1 | rank 0 in sums | of which waiting |")
+    print("| case | TP=1 tok/s | TP=2 tok/s | TP=2 / TP=1 | rank 0 in sums (waiting) | rank 1 in sums (waiting) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for case in cases(args.tokens):
         a = statistics.median(x[0] for x in results[case, "TP=1"])
-        b = statistics.median(x[0] for x in results[case, "TP=2"])
-        busy = statistics.median(x[1] for x in results[case, "TP=2"])
-        wait = statistics.median(x[2] for x in results[case, "TP=2"])
-        print(f"| {case} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {busy:.0%} | {wait:.0%} |")
+        b, busy0, wait0, busy1, wait1 = (statistics.median(x[i] for x in results[case, "TP=2"]) for i in range(5))
+        print(f"| {case} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {busy0:.0%} ({wait0:.0%}) | {busy1:.0%} ({wait1:.0%}) |")
     split.engine.shutdown()
 
 

@@ -101,9 +101,10 @@ class ShmGroup:
     def broken(self) -> bool:
         return self.kernel.broken()
 
-    def stats(self) -> tuple[int, float, float]:
-        """(sums and gathers run, seconds in them, seconds of that waiting for the other ranks)."""
-        return self.kernel.stats()
+    def stats(self, rank: int | None = None) -> tuple[int, float, float]:
+        """A rank's (default: this one's) sums and gathers run, seconds in them, and seconds of that waiting
+        for the other ranks."""
+        return self.kernel.stats(self.rank if rank is None else rank)
 
     def close(self) -> None:
         """Marks the group broken: every rank waiting in it returns (the others' recv gives None)."""

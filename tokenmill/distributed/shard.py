@@ -52,8 +52,9 @@ class Shard:
     Attention splits by key/value head, each with its group of query heads, so a model whose heads do not
     divide by world still splits (SmolLM2-135M's 3 KV heads over 2 ranks: 1 and 2). The MLP's rows split in
     units of `granule` (32, the fused decode step's; 256 where the file's down projection is in a K format,
-    whose blocks a cut must not split) where the size allows. A dense MLP's rows balance the ranks' weights:
-    a rank with fewer heads takes more rows, since every sum waits for the slowest rank."""
+    whose blocks a cut must not split) where the size allows, evenly. (Giving a rank with fewer heads more MLP
+    rows evens out the layer's total but not its two halves: each sum waits for the slowest rank, so the rank
+    with more heads would wait after the MLP as the other waits after attention. Measured: slower.)"""
 
     rank: int
     world: int
@@ -64,7 +65,6 @@ class Shard:
     expert_intermediate: int
     shared_intermediate: int
     vocab: int
-    hidden: int = 0  # 0: MLP rows split evenly (mixture-of-experts models, whose experts split evenly)
     granule: int = 32
 
     @classmethod
@@ -76,11 +76,9 @@ class Shard:
         if kv < world:
             raise ValueError(f"tensor_parallel_size {world} exceeds the model's {kv} key/value heads: each rank "
                              "holds at least one")
-        moe = bool(c.get("num_experts") or c.get("num_local_experts"))
         return cls(rank, world, heads, kv, c.get("head_dim") or c["hidden_size"] // heads, c["intermediate_size"],
                    c.get("moe_intermediate_size") or c["intermediate_size"],
-                   c.get("shared_expert_intermediate_size") or 0, c["vocab_size"], 0 if moe else c["hidden_size"],
-                   granule)
+                   c.get("shared_expert_intermediate_size") or 0, c["vocab_size"], granule)
 
     @property
     def vocab_slice(self) -> int:
@@ -104,26 +102,6 @@ class Shard:
         a, b = _even(n // unit, self.rank, self.world)
         return a * unit, b * unit
 
-    def _mlp_rows(self) -> tuple[int, int]:
-        """This rank's rows of the dense MLP: each rank's attention weights plus its MLP rows as near an equal
-        share of the layer as whole units allow."""
-        n = self.intermediate
-        if not self.hidden:
-            return self._rows(n)
-        unit, per_row, group = self._unit(n), 3 * self.hidden, self.num_heads // self.num_kv_heads
-        attn = []
-        for r in range(self.world):
-            g0, g1 = _even(self.num_kv_heads, r, self.world)
-            attn.append(self.hidden * 2 * (g1 - g0) * (group + 1) * self.head_dim)  # q, k, v rows and o columns
-        share = (sum(attn) + per_row * n) / self.world
-        bounds, held = [0], 0
-        for r in range(self.world - 1):
-            held += attn[r]
-            rows = round((share * (r + 1) - held) / per_row / unit) * unit
-            bounds.append(min(max(rows, bounds[-1] + unit), n - (self.world - 1 - r) * unit))
-        bounds.append(n)
-        return bounds[self.rank], bounds[self.rank + 1]
-
     def _heads(self) -> tuple[int, int]:
         return _even(self.num_kv_heads, self.rank, self.world)
 
@@ -140,7 +118,7 @@ class Shard:
         c["head_dim"] = self.head_dim
         c["num_attention_heads"] = (g1 - g0) * (self.num_heads // self.num_kv_heads)
         c["num_key_value_heads"] = g1 - g0
-        for key, (a, b) in (("intermediate_size", self._mlp_rows()),
+        for key, (a, b) in (("intermediate_size", self._rows(self.intermediate)),
                             ("moe_intermediate_size", self._rows(self.expert_intermediate)),
                             ("shared_expert_intermediate_size", self._rows(self.shared_intermediate))):
             if c.get(key):
@@ -157,7 +135,7 @@ class Shard:
     def _part(self, unit: str, expert: bool = False, shared: bool = False) -> tuple[int, int]:
         """This rank's range of a part's rows (see _size)."""
         if unit == "i":
-            return self._rows(self._size(unit, expert, shared)) if expert or shared else self._mlp_rows()
+            return self._rows(self._size(unit, expert, shared))
         g0, g1 = self._heads()
         per = self.head_dim * (self.num_heads // self.num_kv_heads if unit == "q" else 1)
         return g0 * per, g1 * per

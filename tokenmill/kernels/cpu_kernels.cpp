@@ -2193,8 +2193,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return py::bytes(data);
            })
       .def("broken", [](const TPGroup& g) { return g.group.broken(); })
-      .def("stats", [](const TPGroup& g) { return g.group.stats(); },
-           "(collectives run, seconds in them, seconds of that waiting for the other ranks)")
+      .def("stats", [](const TPGroup& g, int64_t rank) {
+             TORCH_CHECK(rank >= 0 && rank < g.group.world(), "rank out of range");
+             return g.group.stats(rank);
+           }, py::arg("rank"), "rank's (collectives run, seconds in them, seconds of that waiting for the others)")
       .def("mark_broken", [](TPGroup& g) { g.group.mark_broken(); })
       .def_property_readonly("rank", [](const TPGroup& g) { return g.group.rank(); })
       .def_property_readonly("world", [](const TPGroup& g) { return g.group.world(); });

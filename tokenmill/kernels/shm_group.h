@@ -41,6 +41,7 @@ struct alignas(64) RankLine {
   std::atomic<uint32_t> sleepers;  // peers asleep waiting on seq
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> taken;     // messages taken (the others' acknowledgement to rank 0)
+  std::atomic<int64_t> calls, busy_ns, wait_ns;  // its collectives' count and time (ShmGroup::stats)
 };
 
 struct alignas(64) GroupLine {
@@ -155,8 +156,12 @@ class ShmGroup {
 
   int64_t max_message() const { return msg_capacity_; }
 
-  // (collectives run, seconds spent in them, seconds of that waiting for the other ranks) since the start.
-  std::tuple<int64_t, double, double> stats() const { return {calls_, busy_ns_ * 1e-9, wait_ns_ * 1e-9}; }
+  // Rank r's (collectives run, seconds spent in them, seconds of that waiting for the other ranks) since
+  // the start (each rank publishes its own in its line).
+  std::tuple<int64_t, double, double> stats(int64_t r) const {
+    const RankLine& l = ranks_[r];
+    return {l.calls.load(), l.busy_ns.load() * 1e-9, l.wait_ns.load() * 1e-9};
+  }
 
  private:
   struct Clock {  // adds a collective's time to the group's count
@@ -164,11 +169,12 @@ class ShmGroup {
     const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     explicit Clock(ShmGroup& group) : g(group) {}
     ~Clock() {
-      ++g.calls_;
-      g.busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+      RankLine& me = g.ranks_[g.rank_];
+      me.calls.fetch_add(1, std::memory_order_relaxed);
+      me.busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now() - start).count(), std::memory_order_relaxed);
     }
   };
-  int64_t calls_ = 0, busy_ns_ = 0, wait_ns_ = 0;
 
   float* slot(int64_t r, uint32_t s) const { return slots_ + (r * 2 + (s & 1)) * capacity_; }
   float* grow(int64_t m) {
@@ -189,7 +195,8 @@ class ShmGroup {
     bool ok = true;
     for (int64_t r = 0; r < world_ && ok; ++r)
       if (r != rank_ && !wait_until(&ranks_[r].seq, &ranks_[r].sleepers, s, false)) ok = false;
-    wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    me.wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - start).count(), std::memory_order_relaxed);
     return ok;
   }
 
