@@ -332,3 +332,51 @@ def test_mlp_rows_split_on_the_files_blocks():
     c["intermediate_size"] = 1280
     assert Shard.of(c, 0, 2)._part("i") == (0, 640)
     assert Shard.of(c, 0, 2, granule=256)._part("i") == (0, 512)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from tokenmill import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2)
+# Only rank 0 gets here: the other rank serves it from inside LLM() and exits when it stops.
+ids = json.loads(sys.argv[2])
+outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, min_tokens=16))
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), type(llm.engine.tp.group).__name__, flush=True)
+llm.engine.shutdown()
+"""
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_ranks_started_by_torchrun(tiny_models, tmp_path, hosts):
+    """torchrun's ranks over 127.0.0.1, as one host (shared memory) or as two (each torchrun a 'node' of one
+    rank: gloo), give transformers' tokens; every rank exits when rank 0 stops."""
+    import json
+
+    from tests.server_utils import free_port
+
+    folder = tiny_models["qwen3"]
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt_ids = [tok.encode(p) for p in PROMPTS[:3]]
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1", "--master-port", port]
+    if hosts == 1:
+        cmds = [torchrun + ["--nnodes", "1", "--nproc-per-node", "2"]]
+    else:
+        cmds = [torchrun + ["--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1"] for n in range(2)]
+    procs = [subprocess.Popen(c + [str(script), folder, json.dumps(prompt_ids)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for c in cmds]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), logs
+    line = next(ln for log in logs for ln in log.splitlines() if ln.startswith("TOKENS"))
+    tokens, kind = line.split(" ", 1)[1].rsplit(" ", 1)
+    assert kind == ("ShmGroup" if hosts == 1 else "TorchGroup")
+    assert json.loads(tokens) == hf_greedy(folder, prompt_ids, 16)[0]

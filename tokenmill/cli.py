@@ -449,12 +449,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1:
+            _join_as_launched_rank(args)
         return args.func(args) or 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _join_as_launched_rank(args: argparse.Namespace) -> None:
+    """Under torchrun, every rank runs the same command: a rank other than 0 serves rank 0's engine from
+    here, on the main thread, and exits when it stops (it starts no server, chat or benchmark of its own)."""
+    from tokenmill.distributed import launch
+
+    launched = launch.launched_world()
+    if launched and launched[0] > 0:
+        from tokenmill.config import EngineConfig
+
+        launch.join(EngineConfig(**engine_kwargs(args)))
 
 
 if __name__ == "__main__":

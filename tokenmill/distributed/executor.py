@@ -43,17 +43,19 @@ def threads_per_rank(world: int) -> int:
 
 
 class TensorParallel:
-    """Rank 0's handle on the group and the other ranks' processes."""
+    """Rank 0's handle on the group and the other ranks' processes: started here, or (group given) by a
+    launcher such as torchrun (launch.py)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, group=None) -> None:
         self.world = config.tensor_parallel_size
-        self.threads = threads_per_rank(self.world)
-        self.group = ShmGroup.create(self.world)
+        self.launched = group is not None
+        self.threads = torch.get_num_threads() if self.launched else threads_per_rank(self.world)
+        self.group = group or ShmGroup.create(self.world)
         self.procs: list[subprocess.Popen] = []
         self._closed = threading.Event()
         main_thread = threading.current_thread() is threading.main_thread()
         try:
-            for rank in range(1, self.world):
+            for rank in range(1, self.world if not self.launched else 1):
                 # Its own session: a Ctrl-C at the terminal (which stops a chat's answer) is rank 0's to handle.
                 p = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True,
@@ -71,6 +73,11 @@ class TensorParallel:
     def start(self, num_blocks: int, max_model_len: int) -> None:
         """After rank 0 has loaded its shard and sized the KV cache: the other ranks size theirs alike, and
         this returns once every one has loaded and is ready (or raises with the failing rank's error)."""
+        if self.launched:
+            self.group.send(("init", num_blocks, max_model_len))
+            logger.info("tensor parallel: %d ranks started by a launcher, summing through %s", self.world,
+                        "shared memory" if isinstance(self.group, ShmGroup) else "torch.distributed (gloo)")
+            return
         deadline = time.monotonic() + READY_TIMEOUT_S
         for rank, p in enumerate(self.procs, start=1):
             line = b""

@@ -37,19 +37,9 @@ def main() -> None:
     torch.set_num_threads(threads)
     group = None
     try:
-        from tokenmill.attention.cpu import TorchSDPABackend
-        from tokenmill.config import resolve_device, resolve_dtype
-        from tokenmill.llm import _configure_logging
-        from tokenmill.model.loader import load_model
-        from tokenmill.runner import ModelRunner
-
-        _configure_logging()
-        logging.getLogger("tokenmill").setLevel(logging.WARNING)  # rank 0 says what the ranks load
+        quiet_logging()
         group = ShmGroup.attach(path, rank, world)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, None)
-        loaded = load_model(config.model, dtype, device, TorchSDPABackend(), max_positions=config.max_model_len,
-                            quantization=config.quantization, tensor_parallel=(rank, world, group))
+        loaded = load_shard(config, rank, world, group)
     except BaseException as e:
         out.write(f"error: {type(e).__name__}: {e}".replace("\n", " ") + "\n")
         out.flush()
@@ -59,17 +49,45 @@ def main() -> None:
     out.write("ready\n")
     out.flush()
     try:
-        message = group.recv()
-        if message is None or message[0] != "init":
-            return
-        _, num_blocks, max_model_len = message
-        runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed,
-                             max_model_len=max_model_len, kv_cache_dtype=config.kv_cache_dtype)
-        serve(group, loaded.model, runner)
+        run(config, group, loaded)
     except BaseException:
         traceback.print_exc()
         group.close()
         sys.exit(1)
+
+
+def quiet_logging() -> None:
+    from tokenmill.llm import _configure_logging
+
+    _configure_logging()
+    logging.getLogger("tokenmill").setLevel(logging.WARNING)  # rank 0 says what the ranks load
+
+
+def load_shard(config, rank: int, world: int, group):
+    """This rank's LoadedModel."""
+    from tokenmill.attention.cpu import TorchSDPABackend
+    from tokenmill.config import resolve_device, resolve_dtype
+    from tokenmill.model.loader import load_model
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device, None)
+    return load_model(config.model, dtype, device, TorchSDPABackend(), max_positions=config.max_model_len,
+                      quantization=config.quantization, tensor_parallel=(rank, world, group))
+
+
+def run(config, group, loaded) -> None:
+    """Waits for rank 0's KV cache size, makes this rank's cache alike, then serves rank 0's calls."""
+    from tokenmill.runner import ModelRunner
+
+    message = group.recv()
+    if message is None or message[0] != "init":
+        return
+    _, num_blocks, max_model_len = message
+    model = loaded.model
+    param = next(iter(model.parameters()))
+    runner = ModelRunner(model, num_blocks, config.block_size, param.device, model.norm.weight.dtype, config.seed,
+                         max_model_len=max_model_len, kv_cache_dtype=config.kv_cache_dtype)
+    serve(group, model, runner)
 
 
 @torch.inference_mode()

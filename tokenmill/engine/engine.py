@@ -51,11 +51,14 @@ class LLMEngine:
         tensor_parallel = None
         if config.tensor_parallel_size > 1:
             if self.device.type != "cpu":
-                raise ValueError("tensor_parallel_size > 1 runs on the CPU (ranks on one host, summing through "
-                                 "shared memory); on a GPU, run one rank")
+                raise ValueError("tensor_parallel_size > 1 runs on the CPU (ranks summing through shared memory on "
+                                 "one host, gloo across hosts); on a GPU, run one rank")
+            from tokenmill.distributed import launch
             from tokenmill.distributed.executor import TensorParallel
 
-            self.tp = TensorParallel(config)
+            # Started by torchrun: the launcher's ranks (the others never return from join); else ours.
+            launched = launch.join(config)[1] if launch.launched_world() else None
+            self.tp = TensorParallel(config, launched)
             weakref.finalize(self, self.tp.close)
             tensor_parallel = (0, self.tp.world, self.tp.group)
         self.loaded = load_model(config.model, self.dtype, self.device, TorchSDPABackend(),
