@@ -3,7 +3,7 @@ tokenizer, as a Hugging Face folder and as GGUF files made by llama.cpp's own to
 at a size where weight bandwidth dominates (speed does not depend on the weights' values; run requests
 with ignore_eos).
 
-    python benchmarks/make_1b_model.py OUT_DIR [--llama-cpp-dir DIR]
+    python benchmarks/make_1b_model.py OUT_DIR [--llama-cpp-dir DIR] [--hf-only]
 
 Writes OUT_DIR/hf (bfloat16 safetensors, seed 0) and OUT_DIR/model-{BF16,Q8_0,Q4_0,Q4_K_M}.gguf, with
 DIR/convert_hf_to_gguf.py and DIR/bin/llama-quantize (DIR defaults to ~/.cache/tokenmill/llama.cpp; build
@@ -66,8 +66,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--llama-cpp-dir", type=Path, default=default_llama_cpp_dir())
+    ap.add_argument("--hf-only", action="store_true", help="write OUT_DIR/hf alone (no llama.cpp tools needed)")
     args = ap.parse_args()
     out: Path = args.out_dir.expanduser()
+    if args.hf_only:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "hf").exists():
+            make_hf(out / "hf")
+        return
     lc: Path = args.llama_cpp_dir.expanduser()
     hf, bf16 = out / "hf", out / "model-BF16.gguf"
     ggufs = [bf16] + [out / f"model-{q}.gguf" for q in QUANTS]
