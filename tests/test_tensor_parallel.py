@@ -380,3 +380,53 @@ def test_ranks_started_by_torchrun(tiny_models, tmp_path, hosts):
     tokens, kind = line.split(" ", 1)[1].rsplit(" ", 1)
     assert kind == ("ShmGroup" if hosts == 1 else "TorchGroup")
     assert json.loads(tokens) == hf_greedy(folder, prompt_ids, 16)[0]
+
+
+def test_shared_memory_group_sums_gathers_and_carries_large_messages():
+    """Two ranks of a ShmGroup (threads here): sums equal on both, in rank order; gathers in rank order; a
+    message larger than the message area arrives whole, after a small one."""
+    import threading
+
+    from tokenmill.distributed.group import SHM_MESSAGE_BYTES, ShmGroup
+
+    zero = ShmGroup.create(2, for_children=False)
+    one = ShmGroup.attach(zero.path, 1, 2)
+    zero.unlink()
+    x = [torch.randn(3000) for _ in range(2)]
+    got: dict = {}
+
+    def rank1():
+        got["sum"] = one.all_reduce(x[1].clone())
+        got["gather"] = one.all_gather(torch.full((5,), 1.0))
+        got["small"] = one.recv()
+        got["big"] = one.recv()
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    mine = zero.all_reduce(x[0].clone())
+    gathered = zero.all_gather(torch.full((5,), 0.0))
+    big = np.arange(SHM_MESSAGE_BYTES // 4, dtype=np.int64)  # twice the message area
+    zero.send(("small", 1))
+    zero.send(("big", big))
+    t.join(30)
+    assert not t.is_alive()
+    assert torch.equal(mine, got["sum"]) and torch.equal(mine, x[0] + x[1])
+    assert torch.equal(gathered, got["gather"]) and gathered[:, 0].tolist() == [0.0, 1.0]
+    assert got["small"] == ("small", 1) and np.array_equal(got["big"][1], big)
+    zero.close()
+    assert one.recv() is None  # a closed group answers at once
+
+
+def test_a_switch_set_on_rank_0s_model_reaches_every_rank(tiny_models):
+    """use_fused_decode set on the engine's model reaches the other rank too (else rank 0 would run module by
+    module while rank 1 ran the fused step, and their sums would never meet)."""
+    folder = tiny_models["llama"]
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=2)
+    try:
+        llm.engine.model.use_fused_decode = False
+        tok = llm.get_tokenizer()
+        prompt_ids = [tok.encode(p) for p in PROMPTS]
+        outs = llm.generate(prompt_ids, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference(folder, prompt_ids)
+    finally:
+        assert_stopped(llm)

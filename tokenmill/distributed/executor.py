@@ -53,12 +53,15 @@ class TensorParallel:
         self.group = group or ShmGroup.create(self.world)
         self.procs: list[subprocess.Popen] = []
         self._closed = threading.Event()
+        # One caller at a time: a step's call (its message, then its sums) against close() from another thread.
+        self.lock = threading.Lock()
         main_thread = threading.current_thread() is threading.main_thread()
         try:
             for rank in range(1, self.world if not self.launched else 1):
                 # Its own session: a Ctrl-C at the terminal (which stops a chat's answer) is rank 0's to handle.
+                # The group's memory file goes to the child under the same descriptor number.
                 p = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True,
+                                     stdout=subprocess.PIPE, start_new_session=True, pass_fds=(self.group.fd,) if self.group.fd is not None else (),
                                      env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
                 p.stdin.write(pickle.dumps((config, rank, self.world, self.group.path, self.threads, main_thread)))
                 p.stdin.close()
@@ -114,6 +117,17 @@ class TensorParallel:
     def send(self, *message) -> None:
         self.group.send(message)
 
+    def call(self, message: tuple, fn, *args):
+        """Sends a model call to the other ranks, then runs it here (their sums meet). Any failure leaves the
+        ranks out of step, so it breaks the group for good."""
+        with self.lock:
+            try:
+                self.group.send(message)
+                return fn(*args)
+            except BaseException:
+                self.group.close()
+                raise
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -123,9 +137,16 @@ class TensorParallel:
         if self._closed.is_set():
             return
         self._closed.set()
-        if not self.group.broken() and all(p.poll() is None for p in self.procs):
-            with contextlib.suppress(Exception):
-                self.group.send(("stop",))
+        # A call still running on another thread (a shutdown that did not wait for the engine's step): the
+        # group is broken under it, so it raises, rather than a "stop" arriving in the middle of its sums.
+        idle = self.lock.acquire(timeout=5.0)
+        try:
+            if idle and not self.group.broken() and all(p.poll() is None for p in self.procs):
+                with contextlib.suppress(Exception):
+                    self.group.send(("stop",))
+        finally:
+            if idle:
+                self.lock.release()
         deadline = time.monotonic() + 5.0
         for p in self.procs:
             try:
@@ -151,22 +172,24 @@ class RankZeroModel:
         return getattr(self._model, name)
 
     def __setattr__(self, name, value):
-        setattr(self._model, name, value)
+        """A switch set on the model (use_fused_decode, say) is set on every rank's."""
+        self._tp.call(("set", name, value), setattr, self._model, name, value)
 
     def _run(self, message: tuple, fn, *args):
-        try:
-            self._tp.send(*message)
-            return fn(*args)
-        except BaseException:
-            self._tp.group.close()  # the ranks no longer run the same calls: the group is done for
-            raise
+        return self._tp.call(message, fn, *args)
+
+    def _fused(self, kv_caches, meta) -> bool:
+        """Whether this call runs the fused decode step: every rank must take the same path (their sums
+        differ), so the others check rank 0's choice against theirs."""
+        return self._model._fused_decoder(kv_caches, meta) is not None
 
     def __call__(self, input_ids, positions, kv_caches, meta):
-        return self._run(("forward", input_ids, positions, meta), self._model, input_ids, positions, kv_caches, meta)
+        return self._run(("forward", input_ids, positions, meta, self._fused(kv_caches, meta)), self._model,
+                         input_ids, positions, kv_caches, meta)
 
     def decode_logits(self, input_ids, positions, kv_caches, meta):
-        return self._run(("decode_logits", input_ids, positions, meta), self._model.decode_logits, input_ids,
-                         positions, kv_caches, meta)
+        return self._run(("decode_logits", input_ids, positions, meta, self._fused(kv_caches, meta)),
+                         self._model.decode_logits, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden):
         return self._run(("logits", hidden), self._model.compute_logits, hidden)

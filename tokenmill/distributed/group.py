@@ -10,6 +10,7 @@ Two transports behind one interface:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -17,9 +18,10 @@ import tempfile
 
 import torch
 
-# Floats per rank and slot of a ShmGroup (larger sums go in pieces), and bytes of its message area.
-SHM_CAPACITY = 1 << 20
-SHM_MESSAGE_BYTES = 64 << 20
+# Floats per rank and slot of a ShmGroup (larger sums go in pieces), and bytes of its message area (larger
+# messages too).
+SHM_CAPACITY = 1 << 19
+SHM_MESSAGE_BYTES = 16 << 20
 
 
 class _StepPickler(pickle.Pickler):
@@ -45,24 +47,48 @@ def pack(message) -> bytes:
 
 
 class ShmGroup:
-    """The ranks of one host over a shared buffer in /dev/shm (rank 0 creates it; create() / attach())."""
+    """The ranks of one host over a buffer each of them maps: an anonymous memory file rank 0 creates and hands
+    its children (nothing in any file system to leak), or a file in /dev/shm for ranks a launcher started,
+    removed once every rank has mapped it. Its memory is reserved when it is made, so a full /dev/shm fails
+    there, with an error, not later with a SIGBUS."""
 
-    def __init__(self, path: str, rank: int, world: int) -> None:
+    def __init__(self, path: str, rank: int, world: int, fd: int | None = None) -> None:
+        from tokenmill.kernels import cpu
+
+        kernels = cpu.load()
+        if kernels is None:
+            raise RuntimeError("tensor parallelism on the CPU needs the compiled CPU kernels, which could not be built")
+        self.path, self.rank, self.world, self.fd = path, rank, world, fd
+        size = kernels.ShmGroup.bytes(world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
+        self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.kernel = kernels.ShmGroup(self.buffer, rank, world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
+
+    @classmethod
+    def create(cls, world: int, for_children: bool = True) -> "ShmGroup":
+        """Rank 0's group: a new zeroed buffer. for_children: an anonymous memory file, whose descriptor
+        (.fd) the other ranks inherit (attach(f"/proc/self/fd/{fd}")); else a file in /dev/shm (.path)."""
         from tokenmill.kernels import cpu
 
         kernels = cpu.load()
         if kernels is None:
             raise RuntimeError("tensor parallelism on the CPU needs the compiled CPU kernels, which could not be built")
         size = kernels.ShmGroup.bytes(world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
-        self.path, self.rank, self.world = path, rank, world
-        self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self.kernel = kernels.ShmGroup(self.buffer, rank, world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
-
-    @classmethod
-    def create(cls, world: int) -> "ShmGroup":
-        """Rank 0's group: a new zeroed buffer, which attach(path) maps on the other ranks."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="tokenmill-tp-", dir=folder)
+        if for_children and hasattr(os, "memfd_create"):
+            fd = os.memfd_create("tokenmill-tp", 0)
+            path = f"/proc/self/fd/{fd}"
+        else:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, path = tempfile.mkstemp(prefix="tokenmill-tp-", dir=folder)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            if not path.startswith("/proc/"):
+                os.unlink(path)
+            raise RuntimeError(f"cannot reserve {size >> 20} MiB of shared memory for the tensor-parallel ranks: "
+                               f"{e.strerror}") from None
+        if path.startswith("/proc/"):
+            return cls(path, 0, world, fd)
         os.close(fd)
         return cls(path, 0, world)
 
@@ -70,12 +96,15 @@ class ShmGroup:
     def attach(cls, path: str, rank: int, world: int) -> "ShmGroup":
         return cls(path, rank, world)
 
+    def watch_parent(self, pid: int) -> None:
+        """This rank leaves the group (it counts as broken) once its parent is no longer pid."""
+        self.kernel.watch_parent(pid)
+
     def unlink(self) -> None:
-        """Removes the buffer's name (every rank has mapped it by then; the mappings stay)."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Removes the buffer's name, if it has one in a file system (every rank has mapped it by then)."""
+        if not self.path.startswith("/proc/"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (added in rank order: every rank gets the same bits)."""
@@ -89,14 +118,27 @@ class ShmGroup:
         return out.view(self.world, *x.shape)
 
     def send(self, message) -> None:
-        """Rank 0: a step description to every other rank."""
-        if not self.kernel.send(pack(message)):
-            raise RuntimeError("a tensor-parallel rank has stopped")
+        """Rank 0: a step description to every other rank (one larger than the message area in pieces)."""
+        data = pack(message)
+        room = SHM_MESSAGE_BYTES - 1
+        if len(data) <= room:
+            parts = [b"\0" + data]
+        else:
+            parts = [b"\1" + (-(-len(data) // room)).to_bytes(8, "little")]
+            parts += [data[i:i + room] for i in range(0, len(data), room)]
+        for part in parts:
+            if not self.kernel.send(part):
+                raise RuntimeError("a tensor-parallel rank has stopped")
 
     def recv(self):
         """The other ranks: rank 0's next message; None once the group is broken (rank 0 gone, or closed)."""
-        data = self.kernel.recv()
-        return None if data is None else pickle.loads(data)
+        first = self.kernel.recv()
+        if first is None:
+            return None
+        if first[0] == 0:
+            return pickle.loads(memoryview(first)[1:])
+        parts = [self.kernel.recv() for _ in range(int.from_bytes(first[1:9], "little"))]
+        return None if any(p is None for p in parts) else pickle.loads(b"".join(parts))
 
     def broken(self) -> bool:
         return self.kernel.broken()

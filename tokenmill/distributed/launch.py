@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 
+import torch
+
 logger = logging.getLogger("tokenmill")
 
 # A rank waits for rank 0's next step for as long as the server is idle: no timeout of gloo's may cut that.
@@ -46,8 +48,10 @@ def join(config) -> tuple[int, object]:
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} must equal the launcher's "
                          f"WORLD_SIZE ({world})")
     dist.init_process_group("gloo", timeout=IDLE_FOREVER)
+    # torchrun sets one thread a process where it starts several; the ranks of a host share its CPUs instead.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
     if local == world:  # one host: shared memory
-        created = ShmGroup.create(world) if rank == 0 else None
+        created = ShmGroup.create(world, for_children=False) if rank == 0 else None
         box = [created.path if created else None]
         dist.broadcast_object_list(box, src=0)
         group = created or ShmGroup.attach(box[0], rank, world)

@@ -15,6 +15,7 @@ The cut happens on the checkpoint's tensors as they stream in, before anything i
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -101,6 +102,16 @@ class Shard:
         unit = self._unit(n)
         a, b = _even(n // unit, self.rank, self.world)
         return a * unit, b * unit
+
+    def rank_sizes(self) -> list[tuple[int, int]]:
+        """Every rank's (query rows, MLP rows): a path that not every rank's shard can take is taken by none."""
+        sizes = []
+        for rank in range(self.world):
+            other = dataclasses.replace(self, rank=rank)
+            q0, q1 = other._part("q")
+            i0, i1 = other._part("i")
+            sizes.append((q1 - q0, i1 - i0))
+        return sizes
 
     def _heads(self) -> tuple[int, int]:
         return _even(self.num_kv_heads, self.rank, self.world)

@@ -32,13 +32,15 @@ def main() -> None:
     config, rank, world, path, threads, die_with_parent = pickle.loads(sys.stdin.buffer.read())
     if die_with_parent:
         _die_with_parent()
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    sys.stdout = sys.stderr  # the status line is stdout's only content
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # the status line is the pipe's only content: anything else printed goes to stderr
+    sys.stdout = sys.stderr
     torch.set_num_threads(threads)
     group = None
     try:
         quiet_logging()
         group = ShmGroup.attach(path, rank, world)
+        group.watch_parent(os.getppid())  # rank 0: gone, even as a zombie, once this process is re-parented
         loaded = load_shard(config, rank, world, group)
     except BaseException as e:
         out.write(f"error: {type(e).__name__}: {e}".replace("\n", " ") + "\n")
@@ -100,18 +102,26 @@ def serve(group, model, runner) -> None:
         if message is None or message[0] == "stop":
             return
         op, *args = message
+        if op == "set":
+            setattr(model, *args)
+            continue
+        if op in ("forward", "decode_logits"):
+            ids, pos, meta, fused = args
+            if (model._fused_decoder(kv, meta) is not None) != fused:
+                raise RuntimeError(f"rank 0 {'runs' if fused else 'does not run'} the fused decode step for this "
+                                   "call and this rank cannot follow: the ranks' sums would not meet")
         with governor:
             if op == "forward":
-                ids, pos, meta = args
                 model(ids, pos, kv, meta)
             elif op == "decode_logits":
-                ids, pos, meta = args
                 model.decode_logits(ids, pos, kv, meta)
             elif op == "logits":
                 model.compute_logits(args[0])
             elif op == "burst":
                 meta, ids, pos, slots, bt, lens, stop_ids = args
                 fused = model._fused_decoder(kv, meta)
+                if fused is None:
+                    raise RuntimeError("rank 0 runs a burst of fused decode steps this rank cannot run")
                 fused.clear_interrupt()
                 fused.decode_greedy(ids, pos, slots, bt, lens, stop_ids)
             else:

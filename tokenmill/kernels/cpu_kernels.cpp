@@ -1206,11 +1206,11 @@ struct TPGroup {
   torch::Tensor buffer;
   tp::ShmGroup group;
   TPGroup(torch::Tensor buf, int64_t rank, int64_t world, int64_t capacity, int64_t msg_capacity)
-      : buffer(checked(buf, world, capacity, msg_capacity)),
-        group(buf.data_ptr<uint8_t>(), rank, world, capacity, msg_capacity) {
+      : buffer(checked(buf, rank, world, capacity, msg_capacity)),
+        group(buf.data_ptr<uint8_t>(), rank, world, capacity, msg_capacity) {}
+  static torch::Tensor checked(const torch::Tensor& buf, int64_t rank, int64_t world, int64_t capacity,
+                               int64_t msg_capacity) {
     TORCH_CHECK(rank >= 0 && rank < world, "rank must be in [0, world)");
-  }
-  static torch::Tensor checked(const torch::Tensor& buf, int64_t world, int64_t capacity, int64_t msg_capacity) {
     TORCH_CHECK(world >= 1 && capacity >= 64 && msg_capacity >= 0, "world, capacity or message capacity out of range");
     TORCH_CHECK(buf.scalar_type() == torch::kByte && buf.is_contiguous() &&
                 buf.numel() >= tp::ShmGroup::bytes(world, capacity, msg_capacity) &&
@@ -1660,11 +1660,19 @@ class FusedDecoder {
   // cores' speed); after them the whole team is tried again. One lagging call alone is no sign: a
   // virtual machine's CPU paused for a few milliseconds, an interrupt, gives one now and then on a quiet
   // machine, and kSoloCalls calls on one thread would cost far more than the pause did.
+  // The time thread 0 spends in the group's sums (the others wait for it at a barrier) is another rank's
+  // pace, not a sign that this rank's team lost a core: it is taken out of the lag.
   template <typename F>
   void team(int threads, const F& body) {
-    const TeamClock clock = run_team(threads, body);
+    group_cycles_ = 0;
+    TeamClock clock = run_team(threads, body);
+    if (group_cycles_) {
+      clock.cycles -= std::min(clock.cycles, group_cycles_);
+      for (auto& w : clock.waited) w -= std::min(w, group_cycles_);
+    }
     if (threads > 1) note_lag(clock.lag());
   }
+  uint64_t group_cycles_ = 0;  // this region's, by thread 0
 
  public:
   // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
@@ -1934,7 +1942,9 @@ class FusedDecoder {
             }
             picks[b] = {vocab_start_ + pick, top};
           }
+          const uint64_t t0 = __rdtsc();
           const bool stop = group_best(picks, interrupted_.load());
+          group_cycles_ += group_ ? __rdtsc() - t0 : 0;
           for (int64_t b = 0; b < B; ++b) burst.take(done, b, picks[b].index);
           more = burst.go_on(++done, steps, stop);
           if (more) next_step();
@@ -2010,9 +2020,13 @@ class FusedDecoder {
 
   // A shard's rows [B, hidden] of a row-parallel projection (o, down) := their sum over the group, by
   // thread 0 while the team waits (the sum is a few KiB: splitting it would cost more barriers than it saves).
-  void sum_shards(T* rows, int64_t B, int w, int n, SpinBarrier& barrier) const {
+  void sum_shards(T* rows, int64_t B, int w, int n, SpinBarrier& barrier) {
     if (!group_) return;
-    if (w == 0) group_->all_reduce(rows, B * hidden_);
+    if (w == 0) {
+      const uint64_t t0 = __rdtsc();
+      group_->all_reduce(rows, B * hidden_);
+      group_cycles_ += __rdtsc() - t0;
+    }
     barrier.wait(n);
   }
 
@@ -2155,6 +2169,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<TPGroup, std::shared_ptr<TPGroup>>(m, "ShmGroup")
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, int64_t>(), py::arg("buffer"), py::arg("rank"),
            py::arg("world"), py::arg("capacity"), py::arg("msg_capacity"))
+      .def("watch_parent", [](TPGroup& g, int32_t pid) { g.group.watch_parent(pid); }, py::arg("pid"),
+           "count the group as broken once this process's parent is no longer pid")
       .def_static("bytes", &tp::ShmGroup::bytes, py::arg("world"), py::arg("capacity"), py::arg("msg_capacity"))
       .def("all_reduce", [](TPGroup& g, torch::Tensor x) {
              TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "all_reduce: a contiguous CPU tensor");

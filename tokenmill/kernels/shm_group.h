@@ -27,6 +27,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -83,14 +84,17 @@ class ShmGroup {
     seq_ = ranks_[rank].seq.load();
   }
 
+  // A rank started by another process (rank 0, or a launcher) that must leave when that process is gone:
+  // once this process's parent is no longer `parent`, the group counts as broken.
+  void watch_parent(int32_t parent) { parent_ = parent; }
+
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }
   bool broken() const { return group_->broken.load() != 0; }
   void mark_broken() {
     group_->broken.store(1);
-    for (int64_t r = 0; r < world_; ++r) futex_wake(&ranks_[r].seq);
+    for (int64_t r = 0; r < world_; ++r) futex_wake(&ranks_[r].seq), futex_wake(&ranks_[r].taken);
     futex_wake(&group_->msg_seq);
-    futex_wake(&ranks_[0].taken);
   }
 
   // x[n] := the sum of every rank's x[n], added in rank order in float32 and rounded to T once.
@@ -135,7 +139,7 @@ class ShmGroup {
     std::memcpy(msg_, data, len);
     group_->msg_len.store(len);
     group_->msg_seq.store(sent + 1, std::memory_order_release);
-    futex_wake(&group_->msg_seq);
+    futex_wake(&group_->msg_seq);  // unconditionally: a rank waiting for work sleeps most of the time
     return true;
   }
 
@@ -149,6 +153,7 @@ class ShmGroup {
     }
     std::string out(reinterpret_cast<const char*>(msg_), group_->msg_len.load());
     ranks_[rank_].taken.store(want, std::memory_order_release);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // the store before the sleepers' load (see post_end)
     if (group_->taken_sleepers.load()) futex_wake(&ranks_[rank_].taken);
     *ok = true;
     return out;
@@ -190,6 +195,9 @@ class ShmGroup {
     const uint32_t s = ++seq_;
     RankLine& me = ranks_[rank_];
     me.seq.store(s, std::memory_order_release);
+    // A waiter adds itself to sleepers, then sleeps only while seq is unchanged (the futex compares): with
+    // the store ordered before the load here, either it sees the new seq or this sees it and wakes it.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     if (me.sleepers.load()) futex_wake(&me.seq);
     const auto start = std::chrono::steady_clock::now();
     bool ok = true;
@@ -229,11 +237,26 @@ class ShmGroup {
   }
 
   bool all_alive() const {
+    if (parent_ > 0 && getppid() != parent_) return false;
     for (int64_t r = 0; r < world_; ++r) {
       const int32_t pid = ranks_[r].pid.load();
-      if (r != rank_ && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) return false;
+      if (r != rank_ && pid > 0 && !alive(pid)) return false;
     }
     return true;
+  }
+
+  // Whether a process runs: it exists and is not a zombie (one that died and was not yet reaped).
+  static bool alive(int32_t pid) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    char path[64], buf[512];
+    std::snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE* f = std::fopen(path, "r");
+    if (!f) return true;  // no /proc: trust kill
+    const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    buf[n] = 0;
+    const char* close = std::strrchr(buf, ')');
+    return !(close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
   }
 
   int64_t rank_, world_, capacity_, msg_capacity_;
@@ -242,6 +265,7 @@ class ShmGroup {
   float* slots_;
   uint8_t* msg_;
   uint32_t seq_ = 0;
+  int32_t parent_ = 0;
   std::vector<float> x_sum_;
 };
 

@@ -156,6 +156,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
+        if self.sum_group is not None:
+            # Every rank must pick the same experts: a near-tie in the router's logits could round the other
+            # way on a rank whose product ran on another number of threads, and its slices would then add to
+            # other experts' slices. Rank 0's choice goes to all (ids are exact in float32).
+            k = ids.shape[-1]
+            chosen = self.sum_group.all_gather(torch.cat([ids.float(), weights.float()], dim=-1))[0]
+            ids, weights = chosen[:, :k].long(), chosen[:, k:].to(weights.dtype)
         y = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
