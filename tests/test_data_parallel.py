@@ -344,3 +344,44 @@ def test_a_hung_replica_is_killed_and_restarted(tiny_models):
                     os.kill(pid, signal.SIGCONT)
         srv.stop()
         _wait(lambda: not any(_alive(p) for p in pids), 15, "the replicas to exit")
+
+
+def test_replicas_on_a_ray_cluster(tiny_models):
+    """--distributed-executor-backend ray: each replica's server runs on a Ray node (here the one local node,
+    listening on its address, not 127.0.0.1), routed to and restarted as a local replica is; nothing of them
+    or of the Ray instance the front started outlives the front."""
+    pytest.importorskip("ray")
+    srv = Front(tiny_models["llama"], "--dtype", "float32", "--data-parallel-size", "2", "--kv-cache-memory", "4MiB",
+                "--served-model-name", "tiny", "--distributed-executor-backend", "ray", ready_timeout=180)
+    seen: set[int] = set()
+    try:
+        health = srv.wait_all_ready(120)
+        seen.update(r["pid"] for r in health["replicas"])
+        assert all(r["host"] != "127.0.0.1" for r in health["replicas"]), health
+        answers = [httpx.post(srv.url + "/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0})
+                   for p in ("The quick brown fox", "def add(a, b):")]
+        assert all(a.status_code == 200 for a in answers)
+        victim = health["replicas"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        _wait(lambda: srv.pids()[0] != victim, 20, "the replica's death to be noticed")
+        again = srv.wait_all_ready(120)
+        assert again["replicas"][0]["restarts"] == 1
+        seen.add(again["replicas"][0]["pid"])
+    finally:
+        front_pid = srv.proc.pid
+        assert srv.stop(timeout=60) == 0
+    _wait(lambda: not any(_alive(p) for p in seen), 20, "the replicas to exit")
+
+    def ray_of_front():  # the Ray instance's processes name the driver's pid in their session
+        return [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, f"_{front_pid}/")]
+
+    _wait(lambda: not ray_of_front(), 20, "the front's Ray instance to exit")
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return text.encode() in f.read()
+    except OSError:
+        return False

@@ -34,6 +34,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="with --data-parallel-size > 1: prefix sends a request to the replica that most likely "
                         "holds its longest prompt prefix in its cache (fewest requests in flight on a tie); "
                         "round_robin: each replica in turn (default: prefix)")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="with --data-parallel-size > 1: mp starts the replicas as processes on this machine; ray "
+                        "places them on the nodes of a Ray cluster (--ray-address), each listening on its node's "
+                        "address (every node must be able to load the model) (default: mp)")
+    g.add_argument("--ray-address", default=None,
+                   help="with --distributed-executor-backend ray: the cluster to join (auto: the one this machine "
+                        "belongs to; default: a Ray instance started on this machine)")
     g.add_argument("--replica-hang-timeout", type=float, default=60.0,
                    help="with --data-parallel-size > 1: a replica that answers no health probe for this many "
                         "seconds (alive but stopped or deadlocked) is killed, failing its requests, and restarted "

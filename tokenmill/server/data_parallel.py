@@ -399,7 +399,12 @@ def run_front(args) -> int:
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())
     if args.router not in ROUTERS:
         raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
+    args.ray_model = args.model  # on Ray, each node resolves (or fetches) the model itself
     model_path = resolve_model_path(args.model)  # fetched once here, not by every replica at once
+    if args.distributed_executor_backend == "ray":
+        from tokenmill.server import ray_replicas
+
+        ray_replicas.connect(args.ray_address)
     state = FrontState(args, model_path)
     args.model, args.served_model_name = model_path, state.model_name  # what the replicas load and answer to
     server = make_server(build_front_app(state), state, args)
@@ -411,4 +416,8 @@ def run_front(args) -> int:
         pass
     finally:
         state.replicas.stop()
+        if args.distributed_executor_backend == "ray":
+            from tokenmill.server import ray_replicas
+
+            ray_replicas.disconnect()
     return 1 if all(r.status == "removed" for r in state.replicas) else 0

@@ -1,5 +1,6 @@
 """The data-parallel replicas: `tokenmill serve` children on 127.0.0.1, each with its own engine and KV cache,
-started, watched, restarted after a crash (with a back-off) and always stopped with the front.
+started, watched, restarted after a crash (with a back-off) and always stopped with the front. (Or on the
+nodes of a Ray cluster: ray_replicas.py.)
 
 A child runs in a session of its own, so a Ctrl-C at the terminal reaches the front alone, which then drains
 and stops the children in order; and it asks the kernel to kill it when the front dies (PR_SET_PDEATHSIG),
@@ -30,9 +31,9 @@ RESTART_BACKOFF_S = (1.0, 2.0, 4.0)  # by deaths before ready in a row
 _WATCH_INTERVAL_S = 0.2
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -40,7 +41,8 @@ def free_port() -> int:
 class Replica:
     index: int
     status: str = "starting"  # starting | ready | dead (restart pending) | removed | stopped
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # or a ray_replicas.RayProcess
+    host: str = "127.0.0.1"
     port: int = 0
     in_flight: int = 0  # requests the front has sent and not finished: the replica's running + waiting
     restarts: int = 0
@@ -54,7 +56,7 @@ class Replica:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -65,7 +67,7 @@ class Replica:
         return self.status == "ready"
 
     def describe(self) -> dict:
-        return {"replica": self.index, "status": self.status, "pid": self.pid, "port": self.port,
+        return {"replica": self.index, "status": self.status, "pid": self.pid, "host": self.host, "port": self.port,
                 "in_flight": self.in_flight, "restarts": self.restarts}
 
 
@@ -83,6 +85,7 @@ class ReplicaSet:
         # A ready replica that answers no health probe for this long (alive, but stopped or deadlocked) is
         # killed, and so fails its requests and restarts as a crashed one does.
         self.hang_timeout = float(getattr(args, "replica_hang_timeout", 60.0) or 0.0)
+        self.ray = getattr(args, "distributed_executor_backend", "mp") == "ray"
         self._probes: set[asyncio.Task] = set()  # held, so that the loop does not drop a running probe
 
     def __getitem__(self, i: int) -> Replica:
@@ -97,7 +100,8 @@ class ReplicaSet:
     # ------------------------------------------------------------------ processes
     def child_args(self, port: int) -> dict:
         """The child's `serve` arguments: the front's, on a private port, with the shared secret as its key."""
-        skip = {"func", "data_parallel_size", "router", "api_key", "replica_hang_timeout"}
+        skip = {"func", "data_parallel_size", "router", "api_key", "replica_hang_timeout", "distributed_executor_backend",
+                "ray_address", "ray_model"}
         child = {k: v for k, v in vars(self.args).items() if k not in skip}
         child.update(host="127.0.0.1", port=port, data_parallel_size=1, parent_pid=os.getpid(),
                      # The front decides when to cut requests off at shutdown; a child then stops at once.
@@ -105,6 +109,8 @@ class ReplicaSet:
         return child
 
     def spawn(self, replica: Replica) -> None:
+        if self.ray:
+            return self._spawn_on_ray(replica)
         replica.port = free_port()
         env = {**os.environ, "TOKENMILL_API_KEY": self.secret, "OMP_NUM_THREADS": str(self.threads)}
         cmd = [sys.executable, "-c", "from tokenmill.server.replicas import child_main; child_main()",
@@ -114,6 +120,27 @@ class ReplicaSet:
         replica.status, replica.started, replica.kv_cache_blocks = "starting", time.monotonic(), None
         logger.info("replica %d: started (pid %d, port %d, %d thread(s))", replica.index, replica.pid,
                     replica.port, self.threads)
+        self.on_start(replica)
+
+    def _spawn_on_ray(self, replica: Replica) -> None:
+        from tokenmill.server.ray_replicas import RayProcess
+
+        if replica.proc is not None:
+            replica.proc.release()
+        args = self.child_args(0)
+        args["model"] = getattr(self.args, "ray_model", None) or args["model"]  # as each node resolves it
+        env = {"TOKENMILL_API_KEY": self.secret, "OMP_NUM_THREADS": str(self.threads)}
+        try:
+            replica.proc = RayProcess(self.threads, args, env)
+        except Exception as e:  # no node can take it now: a death before ready, retried with the back-off
+            logger.error("replica %d: Ray could not start it (%s)", replica.index, str(e).splitlines()[0])
+            replica.proc = _Failed()
+            replica.status, replica.started = "starting", time.monotonic()
+            return
+        replica.host, replica.port = replica.proc.host, replica.proc.port
+        replica.status, replica.started, replica.kv_cache_blocks = "starting", time.monotonic(), None
+        logger.info("replica %d: started on Ray node %s (pid %d, port %d, %d thread(s))", replica.index,
+                    replica.host, replica.pid, replica.port, self.threads)
         self.on_start(replica)
 
     def start(self) -> None:
@@ -139,10 +166,13 @@ class ReplicaSet:
                 r.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning("replica %d did not stop in %g s: killed", r.index, timeout)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(r.proc.pid, signal.SIGKILL)  # and anything it started
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.proc.wait(5)
+            if self.ray:
+                r.proc.kill()  # its process group, on its node; and the actor
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(r.proc.pid, signal.SIGKILL)  # and anything it started
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    r.proc.wait(5)
             if r.status != "removed":
                 r.status = "stopped"
 
@@ -221,6 +251,27 @@ class ReplicaSet:
             r.status, r.failed_starts, r.last_answer = "ready", 0, time.monotonic()
             logger.info("replica %d: ready after %.1f s", r.index, time.monotonic() - r.started)
             self.on_ready(r)
+
+
+class _Failed:
+    """A replica Ray could not place: an exited process, to the watcher."""
+
+    pid, returncode = None, -1
+
+    def poll(self):
+        return -1
+
+    def wait(self, timeout=None):
+        return -1
+
+    def send_signal(self, sig) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
 
 
 def _die_with_parent(parent_pid: int) -> None:
