@@ -117,6 +117,8 @@ def prefill_tokens_per_s(llm, prompt_len: int = 500, repeats: int = 5) -> float:
 
 def run_roofline(llm, context: int = 128, prompt_len: int = 500, repeats: int = 5) -> dict:
     engine = llm.engine
+    if engine.tp is not None:  # the weights, bytes and bandwidth below would be rank 0's alone
+        raise ValueError("the roofline is measured on one engine: run it with tensor_parallel_size 1")
     model = engine.model
     arena = getattr(model, "weight_arena", None)
 
