@@ -430,3 +430,26 @@ def test_a_switch_set_on_rank_0s_model_reaches_every_rank(tiny_models):
         assert [o.outputs[0].token_ids for o in outs] == reference(folder, prompt_ids)
     finally:
         assert_stopped(llm)
+
+
+def test_speculative_decoding_on_a_split_model(tiny_models):
+    """Proposals (transformers' own continuation, one token in three spoiled) verified by the split model,
+    several query rows a request through the fused step on every rank, keep transformers' greedy tokens;
+    some are accepted, some rejected."""
+    from tests.test_spec_decode import Oracle
+
+    folder = tiny_models["llama"]
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        tok = llm.get_tokenizer()
+        prompt_ids = [tok.encode(p) for p in PROMPTS]
+        ref = reference(folder, prompt_ids)
+        llm.engine.proposer = Oracle({tuple(i): r for i, r in zip(prompt_ids, ref)}, llm.engine.vocab_size)
+        llm.engine.spec_rows = 64
+        outs = llm.generate(prompt_ids, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        stats = llm.engine.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    finally:
+        assert_stopped(llm)
