@@ -219,7 +219,7 @@ class ShmGroup {
       _mm_pause();
       if (spins % 256 == 0) {
         if (broken()) return false;
-        if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(idle ? 200 : 50)) break;
+        if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(idle ? 2000 : 300)) break;
       }
     }
     for (;;) {
