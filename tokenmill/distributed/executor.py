@@ -56,12 +56,13 @@ class TensorParallel:
         # One caller at a time: a step's call (its message, then its sums) against close() from another thread.
         self.lock = threading.Lock()
         main_thread = threading.current_thread() is threading.main_thread()
+        fd = None if self.launched else self.group.fd
+        fds = () if fd is None else (fd,)  # the group's memory file, under the same number there
         try:
-            for rank in range(1, self.world if not self.launched else 1):
+            for rank in [] if self.launched else range(1, self.world):
                 # Its own session: a Ctrl-C at the terminal (which stops a chat's answer) is rank 0's to handle.
-                # The group's memory file goes to the child under the same descriptor number.
                 p = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True, pass_fds=(self.group.fd,) if self.group.fd is not None else (),
+                                     stdout=subprocess.PIPE, start_new_session=True, pass_fds=fds,
                                      env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
                 p.stdin.write(pickle.dumps((config, rank, self.world, self.group.path, self.threads, main_thread)))
                 p.stdin.close()
@@ -158,6 +159,10 @@ class TensorParallel:
                 p.stdout.close()
         self.group.close()
         self.group.unlink()
+        if self.launched:
+            from tokenmill.distributed.launch import leave
+
+            leave()
 
 
 class RankZeroModel:

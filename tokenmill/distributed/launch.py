@@ -68,4 +68,17 @@ def join(config) -> tuple[int, object]:
         worker.run(config, group, worker.load_shard(config, rank, world, group))
     finally:
         group.close()
+        leave()
     sys.exit(0)
+
+
+def leave() -> None:
+    """Ends this rank's part in the launcher's process group: left to the interpreter's exit, gloo's threads
+    can abort the process (SIGABRT, "terminate called without an active exception") once the peers are gone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # the peers went first
+            pass

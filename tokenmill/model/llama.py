@@ -186,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
         # A tensor-parallel shard runs the fused step only where every rank's shard can.
         shards = self.tp_shard.rank_sizes() if self.tp_shard is not None else \
             [(cfg.num_heads * cfg.head_dim, cfg.intermediate_size)]
-        if not cpu_kernels.head_dim_ok(cfg.head_dim) or cfg.hidden_size % 32 or any(q % 32 or i % 32 for q, i in shards):
+        if not cpu_kernels.head_dim_ok(cfg.head_dim) or cfg.hidden_size % 32 or \
+                any(q % 32 or i % 32 for q, i in shards):
             logger.info("the fused decode step takes head_dim a multiple of 16 up to 128 or 256, and sizes that are "
                         "multiples of 32 (this model: head_dim %d, hidden %d, intermediate %d): decode steps run "
                         "module by module", cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)

@@ -28,8 +28,9 @@ def connect(address: str | None) -> None:
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0"}})
-        logger.info("data parallel on Ray: %s", ", ".join(f"{n['NodeManagerAddress']} ({n['Resources'].get('CPU', 0):g} "
-                                                       "CPUs)" for n in ray.nodes() if n.get("Alive")))
+        nodes = [f"{n['NodeManagerAddress']} ({n['Resources'].get('CPU', 0):g} CPUs)" for n in ray.nodes()
+                 if n.get("Alive")]
+        logger.info("data parallel on Ray: %s", ", ".join(nodes))
 
 
 def disconnect() -> None:

@@ -100,8 +100,8 @@ class ReplicaSet:
     # ------------------------------------------------------------------ processes
     def child_args(self, port: int) -> dict:
         """The child's `serve` arguments: the front's, on a private port, with the shared secret as its key."""
-        skip = {"func", "data_parallel_size", "router", "api_key", "replica_hang_timeout", "distributed_executor_backend",
-                "ray_address", "ray_model"}
+        skip = {"func", "data_parallel_size", "router", "api_key", "replica_hang_timeout",
+                "distributed_executor_backend", "ray_address", "ray_model"}
         child = {k: v for k, v in vars(self.args).items() if k not in skip}
         child.update(host="127.0.0.1", port=port, data_parallel_size=1, parent_pid=os.getpid(),
                      # The front decides when to cut requests off at shutdown; a child then stops at once.
