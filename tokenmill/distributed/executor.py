@@ -27,19 +27,11 @@ import time
 import torch
 
 from tokenmill.distributed.group import ShmGroup
+from tokenmill.kernels.cpu import usable_cpus
 
 logger = logging.getLogger("tokenmill")
 
 READY_TIMEOUT_S = 600.0  # a rank loading a large model from a slow disk
-
-
-def threads_per_rank(world: int) -> int:
-    """The CPUs this process may use, shared out over the ranks."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // world)
 
 
 class TensorParallel:
@@ -49,13 +41,14 @@ class TensorParallel:
     def __init__(self, config, group=None) -> None:
         self.world = config.tensor_parallel_size
         self.launched = group is not None
-        self.threads = torch.get_num_threads() if self.launched else threads_per_rank(self.world)
+        self.threads = torch.get_num_threads() if self.launched else max(1, usable_cpus() // self.world)
         self.group = group or ShmGroup.create(self.world)
         self.procs: list[subprocess.Popen] = []
         self._closed = threading.Event()
         # One caller at a time: a step's call (its message, then its sums) against close() from another thread.
         self.lock = threading.Lock()
-        main_thread = threading.current_thread() is threading.main_thread()
+        # PR_SET_PDEATHSIG fires when the thread that started a child ends: only the main thread's last.
+        parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
         fd = None if self.launched else self.group.fd
         fds = () if fd is None else (fd,)  # the group's memory file, under the same number there
         try:
@@ -64,7 +57,7 @@ class TensorParallel:
                 p = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True, pass_fds=fds,
                                      env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
-                p.stdin.write(pickle.dumps((config, rank, self.world, self.group.path, self.threads, main_thread)))
+                p.stdin.write(pickle.dumps((config, rank, self.world, self.group.path, self.threads, parent)))
                 p.stdin.close()
                 self.procs.append(p)
         except BaseException:
@@ -114,9 +107,6 @@ class TensorParallel:
                                      rank, p.returncode)
                     self.group.close()
                     return
-
-    def send(self, *message) -> None:
-        self.group.send(message)
 
     def call(self, message: tuple, fn, *args):
         """Sends a model call to the other ranks, then runs it here (their sums meet). Any failure leaves the
@@ -180,24 +170,21 @@ class RankZeroModel:
         """A switch set on the model (use_fused_decode, say) is set on every rank's."""
         self._tp.call(("set", name, value), setattr, self._model, name, value)
 
-    def _run(self, message: tuple, fn, *args):
-        return self._tp.call(message, fn, *args)
-
     def _fused(self, kv_caches, meta) -> bool:
         """Whether this call runs the fused decode step: every rank must take the same path (their sums
         differ), so the others check rank 0's choice against theirs."""
         return self._model._fused_decoder(kv_caches, meta) is not None
 
     def __call__(self, input_ids, positions, kv_caches, meta):
-        return self._run(("forward", input_ids, positions, meta, self._fused(kv_caches, meta)), self._model,
-                         input_ids, positions, kv_caches, meta)
+        return self._tp.call(("forward", input_ids, positions, meta, self._fused(kv_caches, meta)), self._model,
+                             input_ids, positions, kv_caches, meta)
 
     def decode_logits(self, input_ids, positions, kv_caches, meta):
-        return self._run(("decode_logits", input_ids, positions, meta, self._fused(kv_caches, meta)),
-                         self._model.decode_logits, input_ids, positions, kv_caches, meta)
+        return self._tp.call(("decode_logits", input_ids, positions, meta, self._fused(kv_caches, meta)),
+                             self._model.decode_logits, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden):
-        return self._run(("logits", hidden), self._model.compute_logits, hidden)
+        return self._tp.call(("logits", hidden), self._model.compute_logits, hidden)
 
     def _fused_decoder(self, kv_caches, meta):
         fused = self._model._fused_decoder(kv_caches, meta)
@@ -211,8 +198,9 @@ class _RankZeroFused:
         self.fused, self.meta, self.model = fused, meta, model
 
     def decode_greedy(self, input_ids, positions, slots, block_tables, seq_lens, stop_ids):
-        return self.model._run(("burst", self.meta, input_ids, positions, slots, block_tables, seq_lens, stop_ids),
-                               self.fused.decode_greedy, input_ids, positions, slots, block_tables, seq_lens, stop_ids)
+        message = ("burst", self.meta, input_ids, positions, slots, block_tables, seq_lens, stop_ids)
+        return self.model._tp.call(message, self.fused.decode_greedy, input_ids, positions, slots, block_tables,
+                                   seq_lens, stop_ids)
 
     def __getattr__(self, name):  # interrupt, clear_interrupt: rank 0's alone (its flag reaches the others)
         return getattr(self.fused, name)

@@ -46,6 +46,20 @@ def pack(message) -> bytes:
     return out.getvalue()
 
 
+def _kernels():
+    from tokenmill.kernels import cpu
+
+    kernels = cpu.load()
+    if kernels is None:
+        raise RuntimeError("tensor parallelism on the CPU needs the compiled CPU kernels, which could not be built")
+    return kernels
+
+
+def _size(world: int) -> int:
+    """Bytes of a ShmGroup's buffer for world ranks."""
+    return _kernels().ShmGroup.bytes(world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
+
+
 class ShmGroup:
     """The ranks of one host over a buffer each of them maps: an anonymous memory file rank 0 creates and hands
     its children (nothing in any file system to leak), or a file in /dev/shm for ranks a launcher started,
@@ -53,26 +67,16 @@ class ShmGroup:
     there, with an error, not later with a SIGBUS."""
 
     def __init__(self, path: str, rank: int, world: int, fd: int | None = None) -> None:
-        from tokenmill.kernels import cpu
-
-        kernels = cpu.load()
-        if kernels is None:
-            raise RuntimeError("tensor parallelism on the CPU needs the compiled CPU kernels, which could not be built")
+        kernels = _kernels()
         self.path, self.rank, self.world, self.fd = path, rank, world, fd
-        size = kernels.ShmGroup.bytes(world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
-        self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.buffer = torch.from_file(path, shared=True, size=_size(world), dtype=torch.uint8)
         self.kernel = kernels.ShmGroup(self.buffer, rank, world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
 
     @classmethod
     def create(cls, world: int, for_children: bool = True) -> "ShmGroup":
         """Rank 0's group: a new zeroed buffer. for_children: an anonymous memory file, whose descriptor
         (.fd) the other ranks inherit (attach(f"/proc/self/fd/{fd}")); else a file in /dev/shm (.path)."""
-        from tokenmill.kernels import cpu
-
-        kernels = cpu.load()
-        if kernels is None:
-            raise RuntimeError("tensor parallelism on the CPU needs the compiled CPU kernels, which could not be built")
-        size = kernels.ShmGroup.bytes(world, SHM_CAPACITY, SHM_MESSAGE_BYTES)
+        size = _size(world)
         if for_children and hasattr(os, "memfd_create"):
             fd = os.memfd_create("tokenmill-tp", 0)
             path = f"/proc/self/fd/{fd}"

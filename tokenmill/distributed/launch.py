@@ -36,12 +36,13 @@ def launched_world() -> tuple[int, int, int] | None:
     return (int(env["RANK"]), world, int(env.get("LOCAL_WORLD_SIZE", world))) if world > 1 else None
 
 
-def join(config) -> tuple[int, object]:
-    """This launched rank's (rank, group); a rank other than 0 does not return: it serves rank 0 until
+def join(config):
+    """Rank 0's group of the launched ranks; a rank other than 0 does not return: it serves rank 0 until
     rank 0 stops, then exits."""
     import torch.distributed as dist
 
     from tokenmill.distributed.group import ShmGroup, TorchGroup
+    from tokenmill.kernels.cpu import usable_cpus
 
     rank, world, local = launched_world()
     if world != config.tensor_parallel_size:
@@ -49,7 +50,7 @@ def join(config) -> tuple[int, object]:
                          f"WORLD_SIZE ({world})")
     dist.init_process_group("gloo", timeout=IDLE_FOREVER)
     # torchrun sets one thread a process where it starts several; the ranks of a host share its CPUs instead.
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+    torch.set_num_threads(max(1, usable_cpus() // local))
     if local == world:  # one host: shared memory
         created = ShmGroup.create(world, for_children=False) if rank == 0 else None
         box = [created.path if created else None]
@@ -60,7 +61,7 @@ def join(config) -> tuple[int, object]:
     else:
         group = TorchGroup()
     if rank == 0:
-        return rank, group
+        return group
     from tokenmill.distributed import worker
 
     worker.quiet_logging()

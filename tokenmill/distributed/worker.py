@@ -2,36 +2,28 @@
 started by executor.TensorParallel): it loads its shard, says "ready" (or "error: ...") on stdout, then runs
 rank 0's calls until told to stop or until rank 0 is gone.
 
-Its arguments come pickled on stdin: (EngineConfig, rank, world, the group's buffer path, threads, whether to
-die with the parent)."""
+Its arguments come pickled on stdin: (EngineConfig, rank, world, the group's buffer path, threads, and the
+parent's pid to die with, or None)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import sys
 import traceback
 
 import torch
 
 from tokenmill.distributed.group import ShmGroup
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before prctl
-            os._exit(1)
+from tokenmill.distributed.process import die_with_parent
 
 
 def main() -> None:
-    config, rank, world, path, threads, die_with_parent = pickle.loads(sys.stdin.buffer.read())
-    if die_with_parent:
-        _die_with_parent()
+    config, rank, world, path, threads, parent = pickle.loads(sys.stdin.buffer.read())
+    if parent is not None:
+        die_with_parent(parent)
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # the status line is the pipe's only content: anything else printed goes to stderr
     sys.stdout = sys.stderr
@@ -86,8 +78,8 @@ def run(config, group, loaded) -> None:
         return
     _, num_blocks, max_model_len = message
     model = loaded.model
-    param = next(iter(model.parameters()))
-    runner = ModelRunner(model, num_blocks, config.block_size, param.device, model.norm.weight.dtype, config.seed,
+    weight = model.norm.weight
+    runner = ModelRunner(model, num_blocks, config.block_size, weight.device, weight.dtype, config.seed,
                          max_model_len=max_model_len, kv_cache_dtype=config.kv_cache_dtype)
     serve(group, model, runner)
 

@@ -57,7 +57,7 @@ class LLMEngine:
             from tokenmill.distributed.executor import TensorParallel
 
             # Started by torchrun: the launcher's ranks (the others never return from join); else ours.
-            launched = launch.join(config)[1] if launch.launched_world() else None
+            launched = launch.join(config) if launch.launched_world() else None
             self.tp = TensorParallel(config, launched)
             weakref.finalize(self, self.tp.close)
             tensor_parallel = (0, self.tp.world, self.tp.group)

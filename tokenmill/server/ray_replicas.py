@@ -1,11 +1,10 @@
 """Data-parallel replicas on a Ray cluster (`--distributed-executor-backend ray`): each replica's
 `tokenmill serve` runs on whichever node Ray places it, started and watched by a small actor there.
 
-Ray places a replica where its CPUs (usable CPUs / N of the front's machine, or --ray-cpus-per-replica) are
-free; the actor starts the replica's process on its node, listening on the node's address, and answers the
-front's questions about it (alive? exit code?) and its orders (signal, kill). To the front's ReplicaSet a
-RayProcess looks like the subprocess.Popen of a local replica, so health probes, restarts, removal and
-shutdown work the same. Every node must be able to load the model: a path on a file system they share, or a
+Ray places a replica where its CPUs (usable CPUs / N of the front's machine) are free; the actor starts the
+replica's process on its node, listening on the node's address, and answers the front's questions about it
+(alive? exit code?) and its orders (signal, kill). To the front's ReplicaSet a RayProcess looks like the
+subprocess.Popen of a local replica, so health probes, restarts, removal and shutdown work the same. Every node must be able to load the model: a path on a file system they share, or a
 known name each one can fetch.
 """
 

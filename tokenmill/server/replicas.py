@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tokenmill.distributed.process import die_with_parent
+
 logger = logging.getLogger("tokenmill")
 
 MAX_FAILED_STARTS = 3  # a replica that dies this many times in a row before it is ready is removed
@@ -274,22 +276,10 @@ class _Failed:
         pass
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel for SIGKILL when the front dies (Linux); if it already has, leave now."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def child_main() -> None:
     """Entry point of a replica: `tokenmill serve` with the arguments the front passed as JSON."""
     args = argparse.Namespace(**json.loads(sys.argv[1]))
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     args.api_key = None  # the front's shared secret comes in $TOKENMILL_API_KEY, out of the process list
     from tokenmill.server.app import run_server
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.structured.params import StructuredOutputsParams
 
