@@ -118,7 +118,7 @@ def phi3_configs(common: dict) -> dict:
 ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini", "mixtral",
          "qwen2-moe", "qwen3-moe"]
 MOE_ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe"]
-# The architectures the fused CPU decode step (and so bursts) and the ONNX export take: all but mixture-of-experts.
+# The architectures the ONNX export takes: all but mixture-of-experts.
 DENSE_ARCHS = [a for a in ARCHS if a not in MOE_ARCHS]
 
 

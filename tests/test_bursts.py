@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import DENSE_ARCHS, PROMPTS, reference_model, teacher_forced_logits
+from tests.conftest import ARCHS, PROMPTS, reference_model, teacher_forced_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.sampling_params import RequestOutputKind
@@ -39,7 +39,7 @@ def _llm(folder, steps, **kw):
     return LLM(folder, dtype="bfloat16", seed=0, kv_cache_memory=1 << 22, num_scheduler_steps=steps, **kw)
 
 
-@pytest.mark.parametrize("arch", DENSE_ARCHS)  # bursts run in the fused decode step, which MoE models skip
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, torch's GEMM
 def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_requests):
     """Tokens from bursts are the ones single steps choose, and each is transformers' (float32) greedy
@@ -68,8 +68,11 @@ def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_request
         for j, t in enumerate(gen[1:], start=1):
             row = lps[len(ids) + j - 1]
             gaps.append(float(row.max() - row[t]))
-    # As in the bf16 decode test: rounding costs these tiny models ~0.01 nats; a wrong token, 1 or more.
-    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
+    # As in the bf16 decode test: rounding costs these tiny models ~0.01 nats; a wrong token, 1 or more. In a
+    # mixture of experts rounding also flips a choice between two nearly equal experts now and then (up to
+    # ~1.8 nats on a token here, as transformers' own bf16 against its float32).
+    worst, mean_gap = (4.0, 0.06) if burst.engine.model.config.moe is not None else (1.0, 0.03)
+    assert sum(gaps) / len(gaps) < mean_gap and max(gaps) < worst, (sum(gaps) / len(gaps), max(gaps))
 
     # The cache the bursts wrote serves prefix hits as the single steps' cache does: continuing each
     # prompt + its output reads the decoded tokens' K and V from it.

@@ -124,7 +124,7 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=1)
     outs = llm.generate(prompt_ids, params, use_tqdm=False)
     fused_steps = sum(f is not None for f in used)
-    if fused and cpu_kernels.load() is not None and model.config.moe is None:  # MoE: module by module (test_moe)
+    if fused and cpu_kernels.load() is not None:
         assert fused_steps > MAX_NEW // 2, "decode-only steps should run fused"
     else:
         assert fused_steps == 0
@@ -143,9 +143,11 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     # a wrong operation (a rotary left out, say) moves them by 1-2.5 nats on average. In a mixture of
     # experts, rounding also flips a token's choice between two nearly equal experts now and then, which
     # moves that token's logprob by up to ~1.8 nats here (transformers' own bf16 against its float32 too).
+    # Such flips also shift a request's later logprobs a little (through its cache): over 16 prompts one at a
+    # time the tiny Mixtral's mean error is 0.05 nats on either path, but single prompts reach 0.17 on either.
     moe = model.config.moe is not None
-    worst, mean_gap = (2.0, 0.06) if moe else (0.5, 0.03)
-    assert sum(lp_err) / len(lp_err) < 0.06 and max(lp_err) < worst, (sum(lp_err) / len(lp_err), max(lp_err))
+    worst, mean_gap, mean_err = (2.0, 0.06, 0.2) if moe else (0.5, 0.03, 0.06)
+    assert sum(lp_err) / len(lp_err) < mean_err and max(lp_err) < worst, (sum(lp_err) / len(lp_err), max(lp_err))
     assert sum(gaps) / len(gaps) < mean_gap and max(gaps) < 2 * worst, (sum(gaps) / len(gaps), max(gaps))
 
 

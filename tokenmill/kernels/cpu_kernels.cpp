@@ -1123,7 +1123,7 @@ struct Walks {
 // Rows [n0, n1) (of the part) of y [M, N] = x W^T (+ bias) for a block-format part: each weight row once,
 // against up to kRowGroup quantized input rows at a time.
 template <typename T>
-void quant_rows(const MatrixPart& p, const QInput& xq, int64_t M, int64_t K, int64_t n0, int64_t n1, const T* bias,
+void quant_rows(const MatrixPart& p, const tmq::QRow* xq, int64_t M, int64_t K, int64_t n0, int64_t n1, const T* bias,
                 T* y, int64_t N, bool accumulate, Walks& walks) {
   float out[tmq::kRowGroup];
   for (int64_t n = n0; n < n1; ++n) {
@@ -1131,16 +1131,16 @@ void quant_rows(const MatrixPart& p, const QInput& xq, int64_t M, int64_t K, int
     const uint8_t* row = reinterpret_cast<const uint8_t*>(p.data) + n * p.row_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += tmq::kRowGroup) {
       const int g = (int)std::min<int64_t>(tmq::kRowGroup, M - m0);
-      tmq::dot_rows((int)p.type, row, xq.rows.data() + m0, g, K, out);
+      tmq::dot_rows((int)p.type, row, xq + m0, g, K, out);
       for (int r = 0; r < g; ++r) put(y + (m0 + r) * N + n, out[r], bias, n, accumulate);
     }
   }
 }
 
 // Rows [n0, n1) of y [M, N] = x [M, K] W^T (+ bias), M <= kMaxGemvRows, on one thread whose weight stream
-// `walks` follows; xq: x quantized, where W has block-format parts.
+// `walks` follows; xq: x's M rows quantized, where W has block-format parts.
 template <typename T>
-void matrix_rows(const Matrix& W, const T* x, const QInput& xq, int64_t M, int64_t n0, int64_t n1, const T* bias,
+void matrix_rows(const Matrix& W, const T* x, const tmq::QRow* xq, int64_t M, int64_t n0, int64_t n1, const T* bias,
                  T* y, bool accumulate, Walks& walks) {
   for (const MatrixPart& p : W.parts) {
     const int64_t a = std::max(n0, p.r0), b = std::min(n1, p.r1);
@@ -1152,6 +1152,11 @@ void matrix_rows(const Matrix& W, const T* x, const QInput& xq, int64_t M, int64
     else
       quant_rows(p, xq, M, W.K, a - p.r0, b - p.r0, pb, y + p.r0, W.N, accumulate, walks);
   }
+}
+template <typename T>
+void matrix_rows(const Matrix& W, const T* x, const QInput& xq, int64_t M, int64_t n0, int64_t n1, const T* bias,
+                 T* y, bool accumulate, Walks& walks) {
+  matrix_rows(W, x, xq.rows.data(), M, n0, n1, bias, y, accumulate, walks);
 }
 
 // The bytes of rows [n0, n1) of W, part by part, in the order matrix_rows reads them.
@@ -1230,6 +1235,94 @@ struct TPGroup {
 
 // ---------------------------------------------------------------------------------- fused decoder
 
+// A layer's mixture of experts, in place of its dense MLP (model/moe.py): each token's top_k experts by the
+// router's softmax, their outputs weighted and summed, and Qwen2-MoE's shared expert on every token, gated
+// by sigmoid(x . shared_gate).
+struct MoEWeights {
+  Matrix router;                      // [experts, hidden]
+  std::vector<Matrix> gate_up, down;  // per expert: [2I, hidden] (its gate rows, then its up rows), [hidden, I]
+  int64_t I = 0, top_k = 0;
+  bool renormalize = false;       // the top k weights rescaled to sum to 1
+  bool weights_in_float = false;  // the weights scale the experts' outputs in float32, else rounded to T first
+  Matrix shared_gate_up, shared_down, shared_gate;  // shared_gate.N == 0: no shared expert
+  int64_t shared_I = 0;
+  bool quantized_input = false;  // a matrix that reads the normed input is in a block format
+  int64_t experts() const { return (int64_t)gate_up.size(); }
+  bool shared() const { return shared_gate.N > 0; }
+};
+
+// A step's routing: its tokens' (expert, weight) pairs grouped by expert, tokens in order within an expert,
+// as moe.py's Experts.forward orders them (its products, and its sum over a token's experts, go in this order).
+struct Routing {
+  std::vector<int64_t> start;  // [experts + 1]: expert e's pairs are [start[e], start[e + 1])
+  std::vector<int64_t> token;  // [pairs] the pair's token
+  std::vector<float> weight;   // [pairs] its weight, rounded as the eager model rounds it
+  std::vector<int64_t> of_token;  // [tokens, top_k] each token's pairs, in pair order
+  std::vector<float> probs;
+  std::vector<int64_t> chosen, order;
+  int64_t pairs() const { return (int64_t)token.size(); }
+
+  // logits [B, experts] (the router's output, in T): a float32 softmax over each row, its top k (the first
+  // index of equal values first), renormalised where asked.
+  template <typename T>
+  void route(const MoEWeights& M, const T* logits, int64_t B) {
+    const int64_t E = M.experts(), k = M.top_k;
+    probs.resize(E), chosen.resize(B * k), start.assign(E + 1, 0);
+    std::vector<float> picked(B * k);
+    for (int64_t b = 0; b < B; ++b) {
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) top = std::max(top, to_float(logits[b * E + e]));
+      for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(to_float(logits[b * E + e]) - top);
+      for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+      float total = 0.f;
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+        chosen[b * k + j] = best;
+        total += picked[b * k + j] = probs[best];
+        probs[best] = -1.f;  // taken
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        float w = M.renormalize ? picked[b * k + j] / total : picked[b * k + j];
+        picked[b * k + j] = M.weights_in_float ? w : rounded<T>(w);
+      }
+      for (int64_t j = 0; j < k; ++j) ++start[chosen[b * k + j] + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    token.resize(B * k), weight.resize(B * k), of_token.resize(B * k);
+    order.assign(start.begin(), start.end() - 1);  // the next free pair of each expert
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = order[chosen[b * k + j]]++;
+        token[p] = b, weight[p] = picked[b * k + j];
+      }
+    std::vector<int64_t> filled(B, 0);
+    for (int64_t p = 0; p < B * k; ++p) of_token[token[p] * k + filled[token[p]]++] = p;
+  }
+};
+
+// Columns [c0, c1) of token b's mixture-of-experts output, added to its residual row x: the sum over its
+// pairs (in pair order) of weight * the expert's output (out [pairs, hidden]), plus the shared expert's
+// output (shared [B, hidden]) times sigmoid(its gate g[b]), rounded where the eager model rounds (each
+// weighted output, each partial sum, the gate, its product, the residual add).
+template <typename T>
+void add_experts(const MoEWeights& M, const Routing& r, const T* out, const T* shared, const T* g, int64_t b,
+                 int64_t hidden, int64_t c0, int64_t c1, T* x) {
+  const int64_t k = M.top_k;
+  const float gate = M.shared() ? rounded<T>(1.f / (1.f + std::exp(-to_float(g[b])))) : 0.f;
+  for (int64_t c = c0; c < c1; ++c) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t p = r.of_token[b * k + j];
+      const float v = rounded<T>(to_float(out[p * hidden + c]) * r.weight[p]);
+      acc = j == 0 ? v : rounded<T>(acc + v);
+    }
+    if (M.shared()) acc = rounded<T>(acc + rounded<T>(gate * to_float(shared[b * hidden + c])));
+    x[b * hidden + c] = from_float<T>(to_float(x[b * hidden + c]) + acc);
+  }
+}
+
 // One decoder layer's weights, its slice of the KV cache, its attention window and its rotary table.
 template <typename T>
 struct LayerWeights {
@@ -1242,6 +1335,7 @@ struct LayerWeights {
   // Gemma's sandwich norms: of the attention output and of the MLP output, before each joins the residual.
   c10::optional<torch::Tensor> attn_out_norm, ffn_out_norm;
   int64_t rope;  // the index of the layer's rotary table
+  std::shared_ptr<MoEWeights> moe = nullptr;  // a mixture of experts in place of gate_up and down
 
   KVLayer kv() const {
     auto scales = [](const torch::Tensor& t) {
@@ -1365,19 +1459,69 @@ class FusedDecoder {
     TORCH_CHECK(opt(attn_out_norm).has_value() == opt(ffn_out_norm).has_value(),
                 "attn_out_norm and ffn_out_norm go together");
     TORCH_CHECK(rope >= 0 && rope < (int64_t)cos_.size(), "rope: the index of one of the ", cos_.size(), " rotary tables");
+    TORCH_CHECK(gate_up.empty() == down.empty(), "gate_up and down: both given, or both empty (set_experts follows)");
+    const bool sparse = gate_up.empty();
     LayerWeights<T> L{input_norm, post_norm, k_cache, v_cache, make_matrix<T>(qkv, hidden_, "qkv"),
-                      make_matrix<T>(o, QS, "o"), make_matrix<T>(gate_up, hidden_, "gate_up"),
-                      make_matrix<T>(down, I_, "down"), opt(qkv_bias), opt(o_bias), opt(gate_up_bias),
+                      make_matrix<T>(o, QS, "o"), sparse ? Matrix() : make_matrix<T>(gate_up, hidden_, "gate_up"),
+                      sparse ? Matrix() : make_matrix<T>(down, I_, "down"), opt(qkv_bias), opt(o_bias), opt(gate_up_bias),
                       opt(down_bias), opt(q_norm), opt(k_norm), window,
                       code == KVCode::kPlain ? torch::Tensor() : *k_scale,
                       code == KVCode::kPlain ? torch::Tensor() : *v_scale, code, opt(attn_out_norm),
                       opt(ffn_out_norm), rope};
     TORCH_CHECK(L.qkv.N == QKV && k_cache.size(1) == KVH_ && k_cache.size(2) == D_,
                 "layer shapes do not match the decoder's heads");
-    TORCH_CHECK(L.o.N == hidden_ && L.gate_up.N == 2 * I_ && L.down.N == hidden_, "layer shapes do not match the decoder's sizes");
+    TORCH_CHECK(L.o.N == hidden_ && (sparse || (L.gate_up.N == 2 * I_ && L.down.N == hidden_)),
+                "layer shapes do not match the decoder's sizes");
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
     cache_slots_ = layers_.empty() ? k_cache.size(0) : std::min(cache_slots_, k_cache.size(0));
     layers_.push_back(std::move(L));
+    streams_.clear();
+  }
+
+  // The last layer's feed-forward as a mixture of experts (that layer added with empty gate_up and down):
+  // router [experts, hidden]; per expert its gate_up [2I, hidden] (gate rows, then up rows) and down
+  // [hidden, I]; each token's top_k experts by the router's softmax, renormalised where asked, the weights
+  // applied in float32 or rounded to the activations' type first; and optionally a shared expert (its
+  // gate_up [2 shared_I, hidden], down [hidden, shared_I], and gate [1, hidden]; all three or none).
+  void set_experts(const PartList& router, const std::vector<PartList>& gate_up, const std::vector<PartList>& down,
+                   int64_t intermediate, int64_t top_k, bool renormalize, bool weights_in_float,
+                   const PartList& shared_gate_up, const PartList& shared_down, const PartList& shared_gate,
+                   int64_t shared_intermediate) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().gate_up.N == 0 && !layers_.back().moe,
+                "set_experts follows an add_layer given no gate_up and down");
+    LayerWeights<T>& L = layers_.back();
+    TORCH_CHECK(!L.ffn_out_norm, "experts after sandwich norms are not supported");
+    TORCH_CHECK(!group_, "a tensor-parallel decoder takes no experts");
+    const int64_t E = (int64_t)gate_up.size();
+    TORCH_CHECK(E >= 1 && (int64_t)down.size() == E, "gate_up and down: one part list per expert");
+    TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be in [1, experts]");
+    TORCH_CHECK(intermediate > 0 && intermediate % 32 == 0, "the experts' intermediate size must be a multiple of 32");
+    auto moe = std::make_shared<MoEWeights>();
+    moe->router = make_matrix<T>(router, hidden_, "router");
+    TORCH_CHECK(moe->router.N == E, "router: one row per expert");
+    for (int64_t e = 0; e < E; ++e) {
+      moe->gate_up.push_back(make_matrix<T>(gate_up[e], hidden_, "expert gate_up"));
+      moe->down.push_back(make_matrix<T>(down[e], intermediate, "expert down"));
+      TORCH_CHECK(moe->gate_up[e].N == 2 * intermediate && moe->down[e].N == hidden_, "expert ", e, ": shapes do not "
+                  "match [2 * intermediate, hidden] and [hidden, intermediate]");
+    }
+    moe->I = intermediate, moe->top_k = top_k, moe->renormalize = renormalize;
+    moe->weights_in_float = weights_in_float;
+    TORCH_CHECK(shared_gate_up.empty() == shared_down.empty() && shared_down.empty() == shared_gate.empty(),
+                "shared_gate_up, shared_down and shared_gate: all three, or none");
+    if (!shared_gate.empty()) {
+      TORCH_CHECK(shared_intermediate > 0 && shared_intermediate % 32 == 0,
+                  "the shared expert's intermediate size must be a multiple of 32");
+      moe->shared_gate_up = make_matrix<T>(shared_gate_up, hidden_, "shared_gate_up");
+      moe->shared_down = make_matrix<T>(shared_down, shared_intermediate, "shared_down");
+      moe->shared_gate = make_matrix<T>(shared_gate, hidden_, "shared_gate");
+      TORCH_CHECK(moe->shared_gate_up.N == 2 * shared_intermediate && moe->shared_down.N == hidden_ &&
+                  moe->shared_gate.N == 1, "shared expert: shapes do not match");
+      moe->shared_I = shared_intermediate;
+    }
+    moe->quantized_input = moe->router.quantized || moe->shared_gate.quantized || moe->shared_gate_up.quantized ||
+                           std::any_of(moe->gate_up.begin(), moe->gate_up.end(), [](const Matrix& m) { return m.quantized; });
+    L.moe = std::move(moe);
     streams_.clear();
   }
 
@@ -1479,6 +1623,7 @@ class FusedDecoder {
   // vocabulary of vocab_total, cut in slices of ceil(vocab_total / world) rows), and row-parallel
   // projections (o, down) and the embedding are summed over the group.
   void set_group(std::shared_ptr<TPGroup> group, int64_t vocab_start, int64_t vocab_total) {
+    for (const auto& L : layers_) TORCH_CHECK(!L.moe, "the tensor-parallel sums do not cover mixture-of-experts layers");
     const int64_t world = group->group.world(), slice = (vocab_total + world - 1) / world;
     TORCH_CHECK(vocab_total < (int64_t(1) << 24), "a sharded vocabulary has fewer than 2^24 rows");
     TORCH_CHECK(vocab_start == group->group.rank() * slice && embed_.N == std::min(slice, vocab_total - vocab_start)
@@ -1735,6 +1880,7 @@ class FusedDecoder {
   void check_bounds(const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                     int64_t grow) const {
     TORCH_CHECK(!layers_.empty(), "the decoder has no layers");
+    for (const auto& L : layers_) TORCH_CHECK(L.gate_up.N || L.moe, "a layer has neither an MLP nor experts");
     const auto slot = slots.to(torch::kLong).contiguous();
     const auto bt = block_tables.to(torch::kLong).contiguous();
     const auto lens = seq_lens.to(torch::kLong).contiguous();
@@ -1779,9 +1925,20 @@ class FusedDecoder {
     std::vector<T> qkv, q, attn, gu, act;
     std::vector<T> normed;  // each thread's own copy of the normed input
     std::vector<T> branch;  // an attention or MLP output to be normed before the residual add (sandwich norms)
+    // Mixture-of-experts layers: per (token, expert) pair its gate and up rows, activation and output; the
+    // shared expert's per token.
+    std::vector<T> pairs_gu, pairs_act, pairs_out, shared_gu, shared_act, shared_out;
     TeamBuffers(const FusedDecoder& d, int64_t B, int threads)
         : qkv(B * (d.H_ + 2 * d.KVH_) * d.D_), q(B * d.H_ * d.D_), attn(B * d.H_ * d.D_), gu(B * 2 * d.I_),
-          act(B * d.I_), normed(threads * B * d.hidden_), branch(B * d.hidden_) {}
+          act(B * d.I_), normed(threads * B * d.hidden_), branch(B * d.hidden_) {
+      int64_t pairs = 0, I = 0, shared_I = 0;
+      for (const auto& L : d.layers_)
+        if (L.moe) pairs = std::max(pairs, B * L.moe->top_k), I = std::max(I, L.moe->I),
+                   shared_I = std::max(shared_I, L.moe->shared_I);
+      if (!pairs) return;
+      pairs_gu.resize(pairs * 2 * I), pairs_act.resize(pairs * I), pairs_out.resize(pairs * d.hidden_);
+      shared_gu.resize(B * 2 * shared_I), shared_act.resize(B * shared_I), shared_out.resize(B * d.hidden_);
+    }
   };
 
   // What a thread of a team keeps for itself.
@@ -1789,6 +1946,12 @@ class FusedDecoder {
     AttentionPlan::Scratch scratch;
     std::vector<float> merged;
     QInput xq;  // the input of the projection running, quantized, where its matrix has block-format parts
+    // Mixture-of-experts layers: the step's routing (each thread its own), the router's and the shared
+    // expert gate's outputs, each pair's input row (dense and quantized), the weight reads planned.
+    Routing routing;
+    std::vector<T> router, gate, gathered;
+    std::vector<tmq::QRow> pair_rows;
+    std::vector<Segment> segs;
     explicit ThreadState(int64_t D) : merged(D) {}
   };
 
@@ -1839,6 +2002,11 @@ class FusedDecoder {
       }
       barrier.wait(n);
       rms_norm_rows(xp, data(L.post_norm), h, B, hidden, eps_, norm_offset_);
+      if (L.moe) {
+        team_experts(*L.moe, B, h, xp, w, n, barrier, buf, ts);
+        barrier.wait(n);
+        continue;
+      }
       // This thread's gate rows and the matching up rows, so it can apply SwiGLU to them at once.
       const T* gu_bias = data(L.gate_up_bias);
       input(L.gate_up, h);
@@ -1858,6 +2026,93 @@ class FusedDecoder {
       }
       barrier.wait(n);
     }
+  }
+
+  // Thread w of n's part of a mixture-of-experts feed-forward of h [B, hidden] (the thread's copy of the
+  // normed input) into the residual stream xp. Every thread routes the step itself: the router is a small
+  // matrix, and the same inputs give every thread the same choice, so no barrier is needed. Then the thread
+  // computes its share of the rows of each chosen expert's gate and up for all of that expert's tokens at
+  // once (each expert's weights read once a step, whatever the batch), and, after one barrier, its columns
+  // of those experts' down projections, which it weighs and adds to the same columns of the residual rows.
+  // Its weight reads follow walks of their own, planned once the step has routed.
+  void team_experts(const MoEWeights& M, int64_t B, const T* h, T* xp, int w, int n, SpinBarrier& barrier,
+                    TeamBuffers& buf, ThreadState& ts) {
+    const int64_t E = M.experts(), I = M.I, SI = M.shared_I, H = hidden_;
+    Routing& r = ts.routing;
+    std::vector<Segment>& segs = ts.segs;
+    if (M.quantized_input) ts.xq.set(h, B, H);
+    segs.clear();
+    matrix_segments(M.router, 0, E, segs);
+    if (M.shared()) matrix_segments(M.shared_gate, 0, 1, segs);
+    ts.router.resize(B * E), ts.gate.resize(B);
+    {
+      Walks walks(segs, B, false);
+      matrix_rows(M.router, h, ts.xq, B, 0, E, static_cast<const T*>(nullptr), ts.router.data(), false, walks);
+      if (M.shared())
+        matrix_rows(M.shared_gate, h, ts.xq, B, 0, 1, static_cast<const T*>(nullptr), ts.gate.data(), false, walks);
+    }
+    r.route<T>(M, ts.router.data(), B);
+    const int64_t P = r.pairs();
+    auto active = [&](int64_t e) { return r.start[e + 1] > r.start[e]; };
+    ts.gathered.resize(P * H), ts.pair_rows.resize(P);
+    for (int64_t p = 0; p < P; ++p) {
+      std::memcpy(ts.gathered.data() + p * H, h + r.token[p] * H, H * sizeof(T));
+      if (M.quantized_input) ts.pair_rows[p] = ts.xq.rows[r.token[p]];
+    }
+    const auto [i0, i1] = share(I, w, n);
+    const auto [s0, s1] = share(SI, w, n);
+    segs.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (active(e)) matrix_segments(M.gate_up[e], i0, i1, segs), matrix_segments(M.gate_up[e], I + i0, I + i1, segs);
+    if (M.shared())
+      matrix_segments(M.shared_gate_up, s0, s1, segs), matrix_segments(M.shared_gate_up, SI + s0, SI + s1, segs);
+    T *gu = buf.pairs_gu.data(), *act = buf.pairs_act.data();
+    {
+      Walks walks(segs, B, false);
+      for (int64_t e = 0; e < E; ++e) {
+        if (!active(e)) continue;
+        const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
+        const T* x = ts.gathered.data() + p0 * H;
+        const tmq::QRow* xq = ts.pair_rows.data() + p0;
+        matrix_rows(M.gate_up[e], x, xq, m, i0, i1, static_cast<const T*>(nullptr), gu + p0 * 2 * I, false, walks);
+        matrix_rows(M.gate_up[e], x, xq, m, I + i0, I + i1, static_cast<const T*>(nullptr), gu + p0 * 2 * I, false,
+                    walks);
+        for (int64_t p = p0; p < p0 + m; ++p)
+          gate_mul(activation_, gu + p * 2 * I + i0, gu + p * 2 * I + I + i0, act + p * I + i0, i1 - i0);
+      }
+      if (M.shared()) {
+        T *sgu = buf.shared_gu.data(), *sact = buf.shared_act.data();
+        matrix_rows(M.shared_gate_up, h, ts.xq, B, s0, s1, static_cast<const T*>(nullptr), sgu, false, walks);
+        matrix_rows(M.shared_gate_up, h, ts.xq, B, SI + s0, SI + s1, static_cast<const T*>(nullptr), sgu, false, walks);
+        for (int64_t b = 0; b < B; ++b)
+          gate_mul(activation_, sgu + b * 2 * SI + s0, sgu + b * 2 * SI + SI + s0, sact + b * SI + s0, s1 - s0);
+      }
+    }
+    barrier.wait(n);
+    const auto [o0, o1] = share(H, w, n);
+    segs.clear();
+    bool quantized = false;
+    for (int64_t e = 0; e < E; ++e)
+      if (active(e)) matrix_segments(M.down[e], o0, o1, segs), quantized |= M.down[e].quantized;
+    if (M.shared()) matrix_segments(M.shared_down, o0, o1, segs);
+    T* out = buf.pairs_out.data();
+    {
+      Walks walks(segs, B, false);
+      if (quantized) ts.xq.set(act, P, I);
+      for (int64_t e = 0; e < E; ++e) {
+        if (!active(e)) continue;
+        const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
+        matrix_rows(M.down[e], act + p0 * I, ts.xq.rows.data() + p0, m, o0, o1, static_cast<const T*>(nullptr),
+                    out + p0 * H, false, walks);
+      }
+      if (M.shared()) {
+        if (M.shared_down.quantized) ts.xq.set(buf.shared_act.data(), B, SI);
+        matrix_rows(M.shared_down, buf.shared_act.data(), ts.xq, B, o0, o1, static_cast<const T*>(nullptr),
+                    buf.shared_out.data(), false, walks);
+      }
+    }
+    for (int64_t b = 0; b < B; ++b)
+      add_experts<T>(M, r, out, buf.shared_out.data(), ts.gate.data(), b, H, o0, o1, xp);
   }
 
   // Thread w of n's weight stream for a step that ends in the output layer: its rows of the decoder
@@ -1971,6 +2226,7 @@ class FusedDecoder {
         for (const auto& L : layers_) {
           matrix_segments(L.qkv, r0, r1, segs);
           matrix_segments(L.o, o0, o1, segs);
+          if (L.moe) continue;  // which experts a step reads is known only once it has routed: see team_experts
           matrix_segments(L.gate_up, i0, i1, segs);
           matrix_segments(L.gate_up, I_ + i0, I_ + i1, segs);
           matrix_segments(L.down, o0, o1, segs);
@@ -1999,6 +2255,10 @@ class FusedDecoder {
       if (L.attn_out_norm) rms_norm_rows(data(o), data(*L.attn_out_norm), data_mut(o), B, hidden, eps_, norm_offset_);
       add_into(xp, data(o), B * hidden);
       rms_norm_rows(xp, data(L.post_norm), data_mut(h), B, hidden, eps_, norm_offset_);
+      if (L.moe) {
+        experts_batched(*L.moe, h, xp, B);
+        continue;
+      }
       auto gu = matrix_product<T>(L.gate_up, h, L.gate_up_bias);
       for (int64_t b = 0; b < B; ++b)
         gate_mul(activation_, data(gu) + b * 2 * I_, data(gu) + b * 2 * I_ + I_, data_mut(act) + b * I_, I_);
@@ -2008,6 +2268,51 @@ class FusedDecoder {
       add_into(xp, data(d), B * hidden);
     }
     rms_norm_rows(xp, data(final_norm_), data_mut(out), B, hidden, eps_, norm_offset_);
+  }
+
+  // A mixture-of-experts feed-forward of h [B, hidden] into the residual stream xp, for a batch too large
+  // for one parallel region: each chosen expert's tokens gathered and multiplied at once, as moe.py's
+  // Experts computes them.
+  void experts_batched(const MoEWeights& M, const torch::Tensor& h, T* xp, int64_t B) {
+    const int64_t H = hidden_, I = M.I, SI = M.shared_I;
+    Routing r;
+    const auto logits = product(M.router, h);
+    r.route<T>(M, data(logits), B);
+    auto out = torch::empty({r.pairs(), H}, h.options());
+    for (int64_t e = 0; e < M.experts(); ++e) {
+      const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
+      if (!m) continue;
+      const auto tokens = torch::from_blob(r.token.data() + p0, {m}, torch::kLong);
+      const auto gu = product(M.gate_up[e], h.index_select(0, tokens));
+      auto act = torch::empty({m, I}, h.options());
+      for (int64_t i = 0; i < m; ++i)
+        gate_mul(activation_, data(gu) + i * 2 * I, data(gu) + i * 2 * I + I, data_mut(act) + i * I, I);
+      out.narrow(0, p0, m).copy_(product(M.down[e], act));
+    }
+    torch::Tensor shared, gate;
+    if (M.shared()) {
+      const auto gu = product(M.shared_gate_up, h);
+      auto act = torch::empty({B, SI}, h.options());
+      for (int64_t b = 0; b < B; ++b)
+        gate_mul(activation_, data(gu) + b * 2 * SI, data(gu) + b * 2 * SI + SI, data_mut(act) + b * SI, SI);
+      shared = product(M.shared_down, act);
+      gate = product(M.shared_gate, h);
+    }
+    for (int64_t b = 0; b < B; ++b)
+      add_experts<T>(M, r, data(out), M.shared() ? data(shared) : nullptr, M.shared() ? data(gate) : nullptr, b, H,
+                     0, H, xp);
+  }
+
+  // x W^T as a separate linear layer computes it: for a few rows of a dense bfloat16 matrix, the GEMV
+  // kernel (kernels/cpu.py's linear); else matrix_product.
+  static torch::Tensor product(const Matrix& W, const torch::Tensor& x) {
+    if (!kIsFloat<T> && W.parts.size() == 1 && W.parts[0].dense() && x.size(0) <= kMaxGemvRows && W.K % 32 == 0) {
+      const auto xc = x.contiguous();
+      auto y = torch::empty({x.size(0), W.N}, x.options());
+      gemv<T>(data(xc), x.size(0), reinterpret_cast<const T*>(W.parts[0].data), W.K, W.N, nullptr, data_mut(y));
+      return y;
+    }
+    return matrix_product<T>(W, x, c10::nullopt);
   }
 
   // Request b's row of `branch` (an attention or MLP output) normed in place by `norm` where there is one,
@@ -2141,6 +2446,10 @@ void bind_decoder(pybind11::module& m, const char* name) {
            py::arg("window"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
            py::arg("attn_out_norm") = py::none(), py::arg("ffn_out_norm") = py::none(), py::arg("rope") = 0)
       .def("add_rope", &D::add_rope, py::arg("cos"), py::arg("sin"))
+      .def("set_experts", &D::set_experts, py::arg("router"), py::arg("gate_up"), py::arg("down"),
+           py::arg("intermediate"), py::arg("top_k"), py::arg("renormalize"), py::arg("weights_in_float"),
+           py::arg("shared_gate_up") = PartList(), py::arg("shared_down") = PartList(),
+           py::arg("shared_gate") = PartList(), py::arg("shared_intermediate") = 0)
       .def("forward", &D::forward, release())
       .def("decode_greedy", &D::decode_greedy, release())
       .def("logits", &D::logits, release())

@@ -175,9 +175,14 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         if kernels is None:
             return None
-        if cfg.moe is not None:
-            logger.info("the fused decode step does not run mixture-of-experts layers: decode steps run module by "
-                        "module (each active expert's tokens in one product)")
+        if cfg.moe is not None and self.tp_group is not None:
+            logger.info("the fused decode step does not run mixture-of-experts layers split over tensor-parallel "
+                        "ranks: decode steps run module by module (each active expert's tokens in one product)")
+            return None
+        moe_sizes = [] if cfg.moe is None else [cfg.moe.intermediate_size, cfg.moe.shared_intermediate_size]
+        if any(size % 32 for size in moe_sizes):
+            logger.info("the fused decode step takes experts whose sizes are multiples of 32 (this model: %s): "
+                        "decode steps run module by module", " and ".join(map(str, filter(None, moe_sizes))))
             return None
         if self.tp_group is not None and self.tp_group.fused is None:
             logger.info("the fused decode step sums over tensor-parallel ranks of one host only: decode steps run "
@@ -212,12 +217,16 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
             sandwich = layer.sandwich
+            sparse = isinstance(m, SparseMoE)  # its experts follow (set_experts), in place of gate_up and down
             fused.add_layer(t(layer.input_layernorm), a.qkv_proj.fused_parts(), t(a.qkv_proj, "bias"), t(a.q_norm),
                             t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.ffn_norm),
-                            m.gate_up_proj.fused_parts(), t(m.gate_up_proj, "bias"), m.down_proj.fused_parts(),
-                            t(m.down_proj, "bias"), *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0),
+                            [] if sparse else m.gate_up_proj.fused_parts(), None if sparse else t(m.gate_up_proj, "bias"),
+                            [] if sparse else m.down_proj.fused_parts(), None if sparse else t(m.down_proj, "bias"),
+                            *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0),
                             attn_out_norm=t(layer.post_attention_layernorm) if sandwich else None,
                             ffn_out_norm=t(layer.post_feedforward_layernorm) if sandwich else None, rope=layer.rope)
+            if sparse:
+                m.add_to_fused(fused)
         if self.tp_group is not None:
             fused.set_group(self.tp_group.fused, self.tp_shard.vocab_range[0], cfg.vocab_size)
         return fused

@@ -100,6 +100,21 @@ class Experts(nn.Module):
         with torch.no_grad():
             (target if expert is None else target[expert]).copy_(tensor)
 
+    def fused_parts(self, e: int) -> tuple[list, list]:
+        """Expert e's gate_up (gate rows, then up rows) and down as the fused decoder takes them: (tensor,
+        GGML type id) per row range, views of the weights held here."""
+        def dense(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+            w = w.detach()
+            return w, 30 if w.dtype == torch.bfloat16 else 0
+
+        if self._slices[0] is None:
+            gate_up = [dense(self.gate_up_proj[e])]
+        else:
+            gate_up = [(self._slices[p][e].data, self._slices[p][e].qtype) for p in (0, 1)]
+        down = [dense(self.down_proj[e])] if self._slices[2] is None else \
+            [(self._slices[2][e].data, self._slices[2][e].qtype)]
+        return gate_up, down
+
     # ------------------------------------------------------------------ compute
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e over rows x [n, H] -> [n, H]: one product per weight matrix for all n rows."""
@@ -151,6 +166,20 @@ class SparseMoE(nn.Module):
         if self.spec.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights if self.spec.weights_in_float else weights.to(logits.dtype)
+
+    def add_to_fused(self, fused) -> None:
+        """Hands this layer's router, experts and shared expert to the fused decoder (set_experts), for the
+        layer just added there without a dense MLP."""
+        spec, experts = self.spec, self.experts
+        gate_up, down = zip(*(experts.fused_parts(e) for e in range(spec.num_experts)))
+        shared = {}
+        if self.shared_expert is not None:
+            shared = dict(shared_gate_up=self.shared_expert.gate_up_proj.fused_parts(),
+                          shared_down=self.shared_expert.down_proj.fused_parts(),
+                          shared_gate=self.shared_expert_gate.fused_parts(),
+                          shared_intermediate=spec.shared_intermediate_size)
+        fused.set_experts(self.gate.fused_parts(), list(gate_up), list(down), spec.intermediate_size, spec.top_k,
+                          spec.norm_topk_prob, spec.weights_in_float, **shared)
 
     sum_group = None  # tensor parallel: each rank's experts hold a slice of every expert (distributed/)
 
