@@ -1260,6 +1260,7 @@ struct Routing {
   std::vector<int64_t> of_token;  // [tokens, top_k] each token's pairs, in pair order
   std::vector<float> probs;
   std::vector<int64_t> chosen, order;
+  std::vector<uint8_t> taken;
   int64_t pairs() const { return (int64_t)token.size(); }
 
   // logits [B, experts] (the router's output, in T): a float32 softmax over each row, its top k (the first
@@ -1275,13 +1276,15 @@ struct Routing {
       for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(to_float(logits[b * E + e]) - top);
       for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
       float total = 0.f;
+      taken.assign(E, 0);
       for (int64_t j = 0; j < k; ++j) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; ++e)
-          if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+        int64_t best = 0;
+        while (taken[best]) ++best;
+        for (int64_t e = best + 1; e < E; ++e)
+          if (!taken[e] && probs[e] > probs[best]) best = e;  // NaN never wins: the first untaken then
         chosen[b * k + j] = best;
+        taken[best] = 1;
         total += picked[b * k + j] = probs[best];
-        probs[best] = -1.f;  // taken
       }
       for (int64_t j = 0; j < k; ++j) {
         float w = M.renormalize ? picked[b * k + j] / total : picked[b * k + j];
