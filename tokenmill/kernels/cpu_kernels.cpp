@@ -2010,13 +2010,8 @@ class FusedDecoder {
         barrier.wait(n);
         continue;
       }
-      // This thread's gate rows and the matching up rows, so it can apply SwiGLU to them at once.
-      const T* gu_bias = data(L.gate_up_bias);
       input(L.gate_up, h);
-      matrix_rows(L.gate_up, h, ts.xq, B, i0, i1, gu_bias, gu, false, walks);
-      matrix_rows(L.gate_up, h, ts.xq, B, I_ + i0, I_ + i1, gu_bias, gu, false, walks);
-      for (int64_t b = 0; b < B; ++b)
-        gate_mul(activation_, gu + b * 2 * I_ + i0, gu + b * 2 * I_ + I_ + i0, act + b * I_ + i0, i1 - i0);
+      gated_rows(L.gate_up, h, ts.xq.rows.data(), B, I_, i0, i1, data(L.gate_up_bias), gu, act, walks);
       barrier.wait(n);
       input(L.down, act);
       if (L.ffn_out_norm || group_) {
@@ -2029,6 +2024,17 @@ class FusedDecoder {
       }
       barrier.wait(n);
     }
+  }
+
+  // A gated MLP's rows [i0, i1) for M input rows x (xq: quantized, where W has block-format parts): this
+  // thread's gate rows and the matching up rows of W [2I, K] (gate rows, then up rows) into gu [M, 2I], then
+  // act(gate) * up on them into act [M, I], with no other thread's rows needed.
+  void gated_rows(const Matrix& W, const T* x, const tmq::QRow* xq, int64_t M, int64_t I, int64_t i0, int64_t i1,
+                  const T* bias, T* gu, T* act, Walks& walks) const {
+    matrix_rows(W, x, xq, M, i0, i1, bias, gu, false, walks);
+    matrix_rows(W, x, xq, M, I + i0, I + i1, bias, gu, false, walks);
+    for (int64_t m = 0; m < M; ++m)
+      gate_mul(activation_, gu + m * 2 * I + i0, gu + m * 2 * I + I + i0, act + m * I + i0, i1 - i0);
   }
 
   // Thread w of n's part of a mixture-of-experts feed-forward of h [B, hidden] (the thread's copy of the
@@ -2075,21 +2081,12 @@ class FusedDecoder {
       for (int64_t e = 0; e < E; ++e) {
         if (!active(e)) continue;
         const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
-        const T* x = ts.gathered.data() + p0 * H;
-        const tmq::QRow* xq = ts.pair_rows.data() + p0;
-        matrix_rows(M.gate_up[e], x, xq, m, i0, i1, static_cast<const T*>(nullptr), gu + p0 * 2 * I, false, walks);
-        matrix_rows(M.gate_up[e], x, xq, m, I + i0, I + i1, static_cast<const T*>(nullptr), gu + p0 * 2 * I, false,
-                    walks);
-        for (int64_t p = p0; p < p0 + m; ++p)
-          gate_mul(activation_, gu + p * 2 * I + i0, gu + p * 2 * I + I + i0, act + p * I + i0, i1 - i0);
+        gated_rows(M.gate_up[e], ts.gathered.data() + p0 * H, ts.pair_rows.data() + p0, m, I, i0, i1, nullptr,
+                   gu + p0 * 2 * I, act + p0 * I, walks);
       }
-      if (M.shared()) {
-        T *sgu = buf.shared_gu.data(), *sact = buf.shared_act.data();
-        matrix_rows(M.shared_gate_up, h, ts.xq, B, s0, s1, static_cast<const T*>(nullptr), sgu, false, walks);
-        matrix_rows(M.shared_gate_up, h, ts.xq, B, SI + s0, SI + s1, static_cast<const T*>(nullptr), sgu, false, walks);
-        for (int64_t b = 0; b < B; ++b)
-          gate_mul(activation_, sgu + b * 2 * SI + s0, sgu + b * 2 * SI + SI + s0, sact + b * SI + s0, s1 - s0);
-      }
+      if (M.shared())
+        gated_rows(M.shared_gate_up, h, ts.xq.rows.data(), B, SI, s0, s1, nullptr, buf.shared_gu.data(),
+                   buf.shared_act.data(), walks);
     }
     barrier.wait(n);
     const auto [o0, o1] = share(H, w, n);
@@ -2277,28 +2274,28 @@ class FusedDecoder {
   // for one parallel region: each chosen expert's tokens gathered and multiplied at once, as moe.py's
   // Experts computes them.
   void experts_batched(const MoEWeights& M, const torch::Tensor& h, T* xp, int64_t B) {
-    const int64_t H = hidden_, I = M.I, SI = M.shared_I;
+    const int64_t H = hidden_;
     Routing r;
     const auto logits = product(M.router, h);
     r.route<T>(M, data(logits), B);
+    // down(act(gate(x)) * up(x)) of one expert, gate_up [2I, hidden] holding its gate rows, then its up rows.
+    auto mlp = [&](const Matrix& gate_up, const Matrix& down, const torch::Tensor& x, int64_t I) {
+      const auto gu = product(gate_up, x);
+      auto act = torch::empty({x.size(0), I}, x.options());
+      for (int64_t i = 0; i < x.size(0); ++i)
+        gate_mul(activation_, data(gu) + i * 2 * I, data(gu) + i * 2 * I + I, data_mut(act) + i * I, I);
+      return product(down, act);
+    };
     auto out = torch::empty({r.pairs(), H}, h.options());
     for (int64_t e = 0; e < M.experts(); ++e) {
       const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
       if (!m) continue;
       const auto tokens = torch::from_blob(r.token.data() + p0, {m}, torch::kLong);
-      const auto gu = product(M.gate_up[e], h.index_select(0, tokens));
-      auto act = torch::empty({m, I}, h.options());
-      for (int64_t i = 0; i < m; ++i)
-        gate_mul(activation_, data(gu) + i * 2 * I, data(gu) + i * 2 * I + I, data_mut(act) + i * I, I);
-      out.narrow(0, p0, m).copy_(product(M.down[e], act));
+      out.narrow(0, p0, m).copy_(mlp(M.gate_up[e], M.down[e], h.index_select(0, tokens), M.I));
     }
     torch::Tensor shared, gate;
     if (M.shared()) {
-      const auto gu = product(M.shared_gate_up, h);
-      auto act = torch::empty({B, SI}, h.options());
-      for (int64_t b = 0; b < B; ++b)
-        gate_mul(activation_, data(gu) + b * 2 * SI, data(gu) + b * 2 * SI + SI, data_mut(act) + b * SI, SI);
-      shared = product(M.shared_down, act);
+      shared = mlp(M.shared_gate_up, M.shared_down, h, M.shared_I);
       gate = product(M.shared_gate, h);
     }
     for (int64_t b = 0; b < B; ++b)
@@ -2306,15 +2303,11 @@ class FusedDecoder {
                      0, H, xp);
   }
 
-  // x W^T as a separate linear layer computes it: for a few rows of a dense bfloat16 matrix, the GEMV
-  // kernel (kernels/cpu.py's linear); else matrix_product.
+  // x W^T as a separate linear layer computes it: a dense bfloat16 matrix through linear_bf16 (the GEMV
+  // kernel for a few rows, as kernels/cpu.py's linear), anything else through matrix_product.
   static torch::Tensor product(const Matrix& W, const torch::Tensor& x) {
-    if (!kIsFloat<T> && W.parts.size() == 1 && W.parts[0].dense() && x.size(0) <= kMaxGemvRows && W.K % 32 == 0) {
-      const auto xc = x.contiguous();
-      auto y = torch::empty({x.size(0), W.N}, x.options());
-      gemv<T>(data(xc), x.size(0), reinterpret_cast<const T*>(W.parts[0].data), W.K, W.N, nullptr, data_mut(y));
-      return y;
-    }
+    if (!kIsFloat<T> && W.parts.size() == 1 && W.parts[0].dense())
+      return linear_bf16(x.contiguous(), W.tensors[0], c10::nullopt);
     return matrix_product<T>(W, x, c10::nullopt);
   }
 

@@ -218,10 +218,10 @@ class LlamaForCausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             sandwich = layer.sandwich
             sparse = isinstance(m, SparseMoE)  # its experts follow (set_experts), in place of gate_up and down
+            mlp = ([], None, [], None) if sparse else (m.gate_up_proj.fused_parts(), t(m.gate_up_proj, "bias"),
+                                                       m.down_proj.fused_parts(), t(m.down_proj, "bias"))
             fused.add_layer(t(layer.input_layernorm), a.qkv_proj.fused_parts(), t(a.qkv_proj, "bias"), t(a.q_norm),
-                            t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.ffn_norm),
-                            [] if sparse else m.gate_up_proj.fused_parts(), None if sparse else t(m.gate_up_proj, "bias"),
-                            [] if sparse else m.down_proj.fused_parts(), None if sparse else t(m.down_proj, "bias"),
+                            t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.ffn_norm), *mlp,
                             *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0),
                             attn_out_norm=t(layer.post_attention_layernorm) if sandwich else None,
                             ffn_out_norm=t(layer.post_feedforward_layernorm) if sandwich else None, rope=layer.rope)
