@@ -1,15 +1,18 @@
-"""Paired A/B of two versions of the CPU kernels on the default model, alternating the two builds
-round after round.
+"""Paired A/B of two versions of the CPU kernels on one model (the default one unless --model names
+another), alternating the two builds round after round.
 
     python benchmarks/kernel_ab.py --base HEAD~1 [--contexts 200,1500] [--seconds 120]
     python benchmarks/kernel_ab.py --base HEAD~1 --workload generate [--seconds 300]
+    python benchmarks/kernel_ab.py --base HEAD~1 --model FILE.gguf
 
-Builds the working tree's tokenmill/kernels/cpu_kernels.cpp and the one at git revision BASE. Each
-round probes the memory bandwidth, then runs every case with each build in random order:
+Builds the working tree's tokenmill/kernels/cpu_kernels.cpp and the one at git revision BASE (with that
+revision's headers). Each round probes the memory bandwidth, then runs every case with each build in
+random order:
 - forward (default): a real batch-1 decode step captured at each context, the fused decoder's forward
   alone (the median of 3 passes);
 - generate: a whole greedy generation of 128 tokens after a 128-token prompt through the engine
-  (decode in bursts), timed less the same prompt's first token; both builds must give the same tokens.
+  (decode in bursts), timed less the same prompt's first token, 128 tokens either way (a build whose
+  sums are rounded in another order may choose other tokens: it says so).
 Rounds are grouped by the memory state their probe found, since this machine's memory switches
 between two speeds. Differences under a few percent are within what two copies of one build show here.
 """
@@ -67,11 +70,13 @@ def decoders_at(base: str, llm: LLM) -> dict:
     revision `base` and from the working tree's, each built for this CPU, on the engine's own weights and
     KV cache. The working tree's build is the kernel module in force afterwards."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    source = subprocess.run(["git", "show", f"{base}:tokenmill/kernels/cpu_kernels.cpp"], cwd=root,
-                            capture_output=True, text=True, check=True).stdout
-    base_file = os.path.join(tempfile.mkdtemp(), "cpu_kernels.cpp")
-    with open(base_file, "w") as f:
-        f.write(source)
+    base_dir = tempfile.mkdtemp()
+    for name in ("cpu_kernels.cpp", *map(os.path.basename, cpu_kernels._HEADERS)):  # headers beside it win
+        source = subprocess.run(["git", "show", f"{base}:tokenmill/kernels/{name}"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout
+        with open(os.path.join(base_dir, name), "w") as f:
+            f.write(source)
+    base_file = os.path.join(base_dir, "cpu_kernels.cpp")
     runner = llm.engine.runner
     decoders = {}
     for name, path in (("base", base_file), ("new", cpu_kernels._SOURCE)):
@@ -86,8 +91,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="200,1500")
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--workload", choices=["forward", "generate"], default="forward")
+    ap.add_argument("--model", default=None, help="a GGUF file, HF folder or known name (default: the built-in model)")
     args = ap.parse_args()
-    llm = LLM(dtype="bfloat16", num_scheduler_steps=1 if args.workload == "forward" else 8)
+    llm = LLM(args.model, dtype="bfloat16", max_model_len=4096,
+              num_scheduler_steps=1 if args.workload == "forward" else 8)
     if args.workload == "forward":
         cases = {f"context {c}": forward_case(llm, c) for c in map(int, args.contexts.split(","))}
     else:
@@ -143,7 +150,7 @@ def generate_case(llm: LLM):
     first, full = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 128))
     llm.generate(prompt, full, use_tqdm=False)  # builds the engine's own decoder, whose key is reused
     key = model._fused[0]
-    tokens = []
+    tokens, noted = [], []
 
     def run(decoder) -> float:
         model._fused = (key, decoder)
@@ -153,7 +160,10 @@ def generate_case(llm: LLM):
         out = llm.generate(prompt, full, use_tqdm=False)
         t2 = time.perf_counter()
         tokens.append(out[0].outputs[0].token_ids)
-        assert tokens[-1] == tokens[0], "the two builds chose different tokens"
+        assert len(tokens[-1]) == len(tokens[0])
+        if tokens[-1] != tokens[0] and not noted:
+            noted.append(True)
+            print("note: the two builds chose different tokens (their sums are rounded in another order)")
         return (t2 - t1) - (t1 - t)
 
     return run

@@ -101,6 +101,23 @@ def test_matmul_matches_float64(kernels, qtype, batch):
         assert np.max(np.abs(got - plain) / scale) < (1e-2 if int8_inputs else 2e-5), (n, k)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_s_product_does_not_depend_on_the_rows_beside_it(kernels, qtype):
+    """Below float_rows, each input row's products are summed in one order whether it comes alone or with
+    others (a decode step of one request and a verify step of its positions compute the same bits). Rows of
+    9, 20, 35 and 64 blocks: whole groups of four blocks, a pair and an odd block left over."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    rows = min(6, kernels.float_rows() - 1)
+    for k in ((288, 640, 1120, 2048) if block == 32 else (512, 2048)):
+        data = random_blocks(qtype, 19, k, rng)
+        w = quant.QuantizedWeight.from_blocks(int(qtype), (19, k), torch.from_numpy(data))
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+        alone = torch.cat([w.matmul(x[i:i + 1]) for i in range(rows)])
+        for m in range(2, rows + 1):
+            assert torch.equal(w.matmul(x[:m]), alone[:m]), (k, m)
+
+
 def test_bfloat16_rows_below_the_float_path_take_int8_inputs(kernels):
     """bfloat16 inputs below float_rows(bfloat16=True) rows (16 and more run on AMX's int8 tiles where the CPU
     has them) give the exact product of their int8-rounded values, as float32 inputs do."""

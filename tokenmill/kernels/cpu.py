@@ -260,7 +260,9 @@ def build(source: str) -> object:
     """Compiles a kernel source file (this package's, or another version of it to compare against) for
     this CPU: with its AVX-512 BF16 instructions where it has them, emulated where it does not."""
     digest = hashlib.sha256()
-    for path in [source, *_HEADERS]:
+    # Quoted includes are found beside the source first: another version's headers may sit there.
+    beside = [os.path.join(os.path.dirname(os.path.abspath(source)), os.path.basename(h)) for h in _HEADERS]
+    for path in [source, *(b if os.path.exists(b) else h for b, h in zip(beside, _HEADERS))]:
         with open(path, "rb") as f:
             digest.update(f.read())
     # -march=native: the build is for this CPU, so the name carries its flags as well as the sources

@@ -1077,13 +1077,13 @@ Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
 
 // Activation rows quantized to int8 in blocks of 32 (tmq::QRow), the input of the block formats' kernels.
 struct QInput {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, q4;
   std::vector<float> d, s, f;
   std::vector<tmq::QRow> rows;
   template <typename T>
   void set(const T* x, int64_t M, int64_t K) {
     const int64_t nb = K / tmq::QK;
-    q.resize(M * K), d.resize(M * nb), s.resize(M * nb), rows.resize(M);
+    q.resize(M * K), q4.resize(M * K), d.resize(M * nb), s.resize(M * nb), rows.resize(M);
     if constexpr (!kIsFloat<T>) f.resize(K);
     for (int64_t m = 0; m < M; ++m) {
       const float* xr;
@@ -1094,7 +1094,8 @@ struct QInput {
         xr = f.data();
       }
       tmq::quantize_activation_row(xr, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
-      rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+      tmq::quad_order(q.data() + m * K, K, q4.data() + m * K);
+      rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb, q4.data() + m * K};
     }
   }
 };

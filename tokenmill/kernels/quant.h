@@ -542,12 +542,29 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
 // ---------------------------------------------------------------------------------------------- activations
 
 // Activation rows quantized to int8 in blocks of 32: q[K] per row, d[K/32] the block scales, s[K/32] each
-// block's value sum d * sum(q) (the offsets and mins of the weight formats multiply it).
+// block's value sum d * sum(q) (the offsets and mins of the weight formats multiply it). q4, where given:
+// the same values with the blocks of each whole group of four in the order 0, 2, 1, 3 (quad_order), which
+// the 4- and 5-bit formats read two pairs of blocks at a time in.
 struct QRow {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int8_t* q4 = nullptr;
 };
+
+// q4 = q with blocks 4j + 1 and 4j + 2 swapped in every whole group of four blocks (the rest left out): the
+// 64 bytes of one load of a 4-bit row hold blocks 4j, 4j + 2 in their low nibbles and 4j + 1, 4j + 3 in
+// their high ones.
+inline void quad_order(const int8_t* q, int64_t K, int8_t* q4) {
+  for (int64_t j = 0; j < K / (4 * QK); ++j) {
+    const int8_t* a = q + j * 4 * QK;
+    int8_t* b = q4 + j * 4 * QK;
+    std::memcpy(b, a, QK);
+    std::memcpy(b + QK, a + 2 * QK, QK);
+    std::memcpy(b + 2 * QK, a + QK, QK);
+    std::memcpy(b + 3 * QK, a + 3 * QK, QK);
+  }
+}
 
 // d = max|x| / 127, q = round-to-nearest-even(x * (127 / max|x|)); an all-zero block gets d = 0.
 inline void quantize_activation_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
@@ -703,8 +720,16 @@ inline void dot_q8_0_vnni(const uint8_t* row, const QRow* x, int64_t K, float* o
 }
 #endif
 
+// The fifth bits of blocks b and b + 1 as a mask over the 64 bytes nibbles() makes of their pair: bit i of
+// block b's word for byte i, of block b + 1's for byte 32 + i (the two words are adjacent).
+inline __mmask64 pair_fifth_bits(const uint32_t* h) {
+  uint64_t v;
+  std::memcpy(&v, h, 8);
+  return (__mmask64)v;
+}
+
 // Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout: a pair of blocks per 32-byte load,
-// 16 blocks' scales and offsets as vectors.
+// 16 blocks' scales and offsets as vectors; Q5_0 and Q5_1 add each pair's fifth bits as a byte mask.
 template <int R, bool HAS_MIN, bool FIVE>
 inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
@@ -713,8 +738,8 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
   const uint16_t* mp = rw.m;
   const uint8_t* qs = rw.qs;
   const float bias = FIVE ? -16.f : -8.f;
-  __m512 acc[R], off[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
+  __m512 acc[R], acc2[R], off[R];  // acc2: the high nibbles' blocks of whole quads (a second chain)
+  for (int r = 0; r < R; ++r) acc[r] = acc2[r] = off[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += 16) {
     const int n = (int)std::min<int64_t>(16, nb - g);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
@@ -725,11 +750,33 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
       off[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, x[r].s + g), off[r]);
     }
-    for (int k = 0; k < n / 2; ++k) {
+    // Whole groups of four blocks, where the inputs come in quad order: one 64-byte load of two pairs, the
+    // low nibbles blocks 4j and 4j + 2, the high ones 4j + 1 and 4j + 3.
+    const int quads = x[0].q4 ? n / 4 : 0;
+    for (int j = 0; j < quads; ++j) {
+      const __m512i q = _mm512_loadu_si512((const void*)(qs + (g / 2 + 2 * j) * 32));
+      const __m512i m4 = _mm512_set1_epi8(0xF);
+      __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+      if (FIVE) {
+        uint32_t h[4];
+        std::memcpy(h, rw.qh + g + 4 * j, 16);
+        const __m512i c16 = _mm512_set1_epi8(16);
+        lo = _mm512_mask_add_epi8(lo, (__mmask64)(h[0] | (uint64_t)h[2] << 32), lo, c16);
+        hi = _mm512_mask_add_epi8(hi, (__mmask64)(h[1] | (uint64_t)h[3] << 32), hi, c16);
+      }
+      const __m512i ilo = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(4 * j), _mm512_set1_epi32(4 * j + 2));
+      const __m512i ihi = _mm512_add_epi32(ilo, _mm512_set1_epi32(1));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x[r].q4 + (g + 4 * j) * QK;
+        const __m512 plo = _mm512_cvtepi32_ps(dot4(lo, _mm512_loadu_si512((const void*)xq)));
+        const __m512 phi = _mm512_cvtepi32_ps(dot4(hi, _mm512_loadu_si512((const void*)(xq + 2 * QK))));
+        acc[r] = _mm512_fmadd_ps(plo, _mm512_permutexvar_ps(ilo, scale[r]), acc[r]);
+        acc2[r] = _mm512_fmadd_ps(phi, _mm512_permutexvar_ps(ihi, scale[r]), acc2[r]);
+      }
+    }
+    for (int k = 2 * quads; k < n / 2; ++k) {
       __m512i wv = nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g / 2 + k) * 32)));
-      if (FIVE)
-        wv = _mm512_or_si512(wv, _mm512_inserti64x4(_mm512_castsi256_si512(fifth_bits(rw.qh + g + 2 * k)),
-                                                    fifth_bits(rw.qh + g + 2 * k + 1), 1));
+      if (FIVE) wv = _mm512_mask_add_epi8(wv, pair_fifth_bits(rw.qh + g + 2 * k), wv, _mm512_set1_epi8(16));
       for (int r = 0; r < R; ++r) {
         __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK));
         __m512 p = _mm512_cvtepi32_ps(dot4(wv, xv));
@@ -752,7 +799,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], off[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm512_add_ps(acc[r], acc2[r]), off[r]);
 }
 
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block as 16 bytes [sc 0..7 | m 0..7].

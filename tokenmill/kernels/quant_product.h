@@ -148,7 +148,11 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
     return;
   }
 #endif
-  for (int64_t m = 0; m < M; ++m) rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+  std::vector<int8_t> q4(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    quad_order(q.data() + m * K, K, q4.data() + m * K);
+    rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb, q4.data() + m * K};
+  }
   // A few rows: long tiles, so each thread streams long runs of weight rows (prefetched two rows ahead).
   // More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.
   const int64_t tile = M <= kRowGroup ? std::max<int64_t>(8, N / (16 * at::get_num_threads())) : 8;
