@@ -720,12 +720,14 @@ inline void dot_q8_0_vnni(const uint8_t* row, const QRow* x, int64_t K, float* o
 }
 #endif
 
-// The fifth bits of blocks b and b + 1 as a mask over the 64 bytes nibbles() makes of their pair: bit i of
-// block b's word for byte i, of block b + 1's for byte 32 + i (the two words are adjacent).
-inline __mmask64 pair_fifth_bits(const uint32_t* h) {
-  uint64_t v;
-  std::memcpy(&v, h, 8);
-  return (__mmask64)v;
+// The fifth bits of two blocks as a mask over the 64 bytes that hold them: bit i of the first block's word
+// for byte i, of the second's for byte 32 + i. (The words are read byte-wise: a repacked row's need not be
+// 4-byte aligned.)
+inline __mmask64 fifth_bits_mask(const uint32_t* first, const uint32_t* second) {
+  uint32_t a, b;
+  std::memcpy(&a, first, 4);
+  std::memcpy(&b, second, 4);
+  return (__mmask64)(a | (uint64_t)b << 32);
 }
 
 // Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout: a pair of blocks per 32-byte load,
@@ -758,11 +760,10 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       const __m512i m4 = _mm512_set1_epi8(0xF);
       __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
       if (FIVE) {
-        uint32_t h[4];
-        std::memcpy(h, rw.qh + g + 4 * j, 16);
+        const uint32_t* h = rw.qh + g + 4 * j;
         const __m512i c16 = _mm512_set1_epi8(16);
-        lo = _mm512_mask_add_epi8(lo, (__mmask64)(h[0] | (uint64_t)h[2] << 32), lo, c16);
-        hi = _mm512_mask_add_epi8(hi, (__mmask64)(h[1] | (uint64_t)h[3] << 32), hi, c16);
+        lo = _mm512_mask_add_epi8(lo, fifth_bits_mask(h, h + 2), lo, c16);
+        hi = _mm512_mask_add_epi8(hi, fifth_bits_mask(h + 1, h + 3), hi, c16);
       }
       const __m512i ilo = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(4 * j), _mm512_set1_epi32(4 * j + 2));
       const __m512i ihi = _mm512_add_epi32(ilo, _mm512_set1_epi32(1));
@@ -776,7 +777,10 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
     }
     for (int k = 2 * quads; k < n / 2; ++k) {
       __m512i wv = nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g / 2 + k) * 32)));
-      if (FIVE) wv = _mm512_mask_add_epi8(wv, pair_fifth_bits(rw.qh + g + 2 * k), wv, _mm512_set1_epi8(16));
+      if (FIVE) {
+        const uint32_t* h = rw.qh + g + 2 * k;
+        wv = _mm512_mask_add_epi8(wv, fifth_bits_mask(h, h + 1), wv, _mm512_set1_epi8(16));
+      }
       for (int r = 0; r < R; ++r) {
         __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK));
         __m512 p = _mm512_cvtepi32_ps(dot4(wv, xv));

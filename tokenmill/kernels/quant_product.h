@@ -27,11 +27,12 @@ namespace tmq {
 // ~1.6x at 256). With AMX, bfloat16 inputs (whose GEMM runs ~6x the float32 rate), a Q4_K 8192 x 2048
 // product: 16 rows 2.7 ms one weight row at a time (VNNI), 1.4 on AMX's int8 tiles, 2.4 dequantized; 48 rows
 // 7.8, 2.6 and 3.0 ms; 64 rows 3.3 on tiles, 3.2 dequantized, which pulls ahead from there (128 rows: 6.0
-// and 4.0 ms; 512: 24 and 9.9). Q6_K 2048 x 8192 alike. With AVX-512 BF16 and VNNI but no AMX (Zen 4), bfloat16
-// inputs on the default model's and Gemma 3 270M's shapes (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; 576-2048 rows and
-// columns), dequantized against byte products: 1.1-3.1x the time at 4-8 rows, 0.64-1.12x at 16, 0.49-0.89x at
-// 24, 0.33-0.71x at 48; time to first token of 16-, 24-, 37- and 47-token prompts on those two models,
-// switching at 16 against 48: 1.06x, 0.86x, 0.72x, 0.65x. So from 20.
+// and 4.0 ms; 512: 24 and 9.9). Q6_K 2048 x 8192 alike.
+// With AVX-512 BF16 and VNNI but no AMX (Zen 4), bfloat16 inputs on the default model's and Gemma 3 270M's
+// shapes (benchmarks/float_rows_products.py), dequantized against byte products: 1.1-3.1x the time at 4-8
+// rows, 0.64-1.12x at 16, 0.49-0.89x at 24, 0.33-0.71x at 48; time to first token of 16-, 24-, 37- and
+// 47-token prompts on those two models (benchmarks/float_rows_ttft.py), switching at 16 against 48: 1.06x,
+// 0.86x, 0.72x, 0.65x. So from 20.
 constexpr int64_t kFloatRows = 48;
 #if defined(__AMX_BF16__) && defined(__AMX_INT8__)
 constexpr int64_t kFloatRowsBf16 = 64;
