@@ -1827,8 +1827,8 @@ class FusedDecoder {
   // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
   std::tuple<int64_t, int64_t, int64_t, double> team_stats() const { return {calls_, solo_calls_, lagged_, last_lag_}; }
   // The next `calls` calls run on one thread, as after a lagging team; adaptive=false: a lagging team
-  // does not switch (to compare the two on equal terms).
-  void run_solo(int64_t calls, bool adaptive) { solo_left_ = (int)calls, adaptive_ = adaptive; }
+  // does not switch (to compare the two on equal terms). The count of lagging calls in a row starts afresh.
+  void run_solo(int64_t calls, bool adaptive) { solo_left_ = (int)calls, adaptive_ = adaptive, lag_run_ = 0; }
   // What a team call whose most-waiting thread waited `lag` of its time does to the calls after it.
   void note_lag(double lag) {
     last_lag_ = lag;
