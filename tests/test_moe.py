@@ -80,10 +80,10 @@ def test_decode_runs_one_product_per_active_expert(folders, num_requests, monkey
                         "k": ids.shape[1]})
         return forward(self, x, ids, weights)
 
-    def counted_expert(self, e, x):
+    def counted_expert(self, e, x, float_from=None):
         records[-1]["calls"] += 1
         records[-1]["rows"] += x.shape[0]
-        return expert(self, e, x)
+        return expert(self, e, x, float_from)
 
     monkeypatch.setattr(Experts, "forward", counted_forward)
     monkeypatch.setattr(Experts, "expert", counted_expert)

@@ -102,13 +102,15 @@ def _greedy(llm, prompts, n=12):
 
 @pytest.fixture
 def int8_products():
-    """Every block-format product on its int8 path (int8 inputs, integer dot products). By default a step
-    of 48 rows or more dequantizes the weights and multiplies float inputs instead, so a row's rounding
-    depends on the rows in its step (as in llama.cpp, and as torch's GEMM blocks rows differently by
-    count); the comparisons below are of schedules on one path."""
+    """Every block-format product on its int8 path (int8 inputs, integer dot products). By default a prompt's
+    rows, and a step of 48 rows or more, dequantize the weights and multiply float inputs instead, so a
+    row's rounding depends on where it comes (as in llama.cpp, and as torch's GEMM blocks rows differently
+    by count); the comparisons below are of schedules on one path."""
     quant.set_float_rows(10**9)
+    quant.set_float_prompts(False)
     yield
     quant.set_float_rows(0)
+    quant.set_float_prompts(True)
 
 
 @pytest.mark.parametrize("variant", ["Q4_K_M", "mixed"])
@@ -278,10 +280,11 @@ def test_quantization_option_is_checked():
 @pytest.mark.parametrize("arch", ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "phi4-mini", *MOE_ARCHS])
 def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     """quantization='int8' / 'int4' on float weights: the layers hold Q8_0 / Q4_1 blocks (the embedding and
-    output layer Q8_0; mixture-of-experts experts as the other layers, routers float), and the logprobs
-    match transformers running the same quantized weights (dequantized into its float model): within 1e-4
-    where every product takes float inputs, within the int8 rounding of the activations on the default
-    path (looser for mixture-of-experts, where that rounding can flip a near-tie between two experts)."""
+    output layer Q8_0; mixture-of-experts experts as the other layers, routers float), and the prompt
+    logprobs match transformers running the same quantized weights (dequantized into its float model):
+    within 1e-4 by default (a prompt's rows take float inputs, however few) and where every product takes
+    float inputs; within the int8 rounding of the activations where they take int8 inputs (looser for
+    mixture-of-experts, where that rounding can flip a near-tie between two experts)."""
     from transformers import AutoModelForCausalLM
 
     folder = tiny_models[arch]
@@ -309,17 +312,52 @@ def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
                 rows = p.reshape(-1, p.shape[-1])
                 p.copy_(quant.quantize(rows, qtype).dequantize().reshape(p.shape))
     prompts = [PROMPTS[1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2]
-    for float_inputs, tol in ((True, 1e-4), (False, 0.25 if moe else 0.1)):
-        quant.set_float_rows(1 if float_inputs else 0)
+    for inputs, tol in (("default", 1e-4), ("float", 1e-4), ("int8", 0.25 if moe else 0.1)):
+        quant.set_float_rows({"default": 0, "float": 1, "int8": 10**9}[inputs])
+        quant.set_float_prompts(inputs != "int8")
         try:
             outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
         finally:
             quant.set_float_rows(0)
+            quant.set_float_prompts(True)
         for ids, out in zip(prompts, outs):
             with torch.no_grad():
                 want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
             got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
-            assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=tol), float_inputs
+            assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=tol), inputs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_a_decode_row_beside_a_prompt_keeps_its_path(tiny_models, arch):
+    """By default a prompt's rows take float inputs and decode rows (fewer than float_rows) int8 ones: a
+    step holding both splits each product's rows so (for a mixture of experts, each expert's rows), and a
+    request's decode is the same whether a long prompt is processed in its steps or not: bit for bit, but for
+    a mixture of experts' router, a float product whose last bits torch's GEMM sets by the row count."""
+    llm = LLM(tiny_models[arch], dtype="float32", quantization="int4", kv_cache_memory="16MiB",
+              enable_prefix_caching=False)
+    llm.engine.model.use_fused_decode = False  # module by module both ways: only the steps' other rows differ
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    engine = llm.engine
+    engine.add_request("a", prompt, params)
+    engine.step()
+    engine.step()  # "a" decodes from here on
+    engine.add_request("b", [(11 * i) % 200 + 3 for i in range(60)], SamplingParams(max_tokens=4, ignore_eos=True))
+    mixed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "a" and out.finished:
+                beside = out.outputs[0]
+        kinds = {(s.request.request_id, s.num_new_tokens) for s in engine.last_step.scheduled}
+        mixed += {r for r, _ in kinds} == {"a", "b"} and ("b", 60) in kinds
+    assert mixed == 1  # one step of 61 rows: more than float_rows (48), as a whole it would take float inputs
+    assert beside.token_ids == alone.token_ids
+    got, want = ([[d[t].logprob for t in sorted(d)] for d in o.logprobs] for o in (beside, alone))
+    if arch in MOE_ARCHS:  # (int8 against float inputs moves them by ~1e-2)
+        assert np.abs(np.array(got) - np.array(want)).max() < 1e-5
+    else:
+        assert got == want
 
 
 def test_quantize_matches_gguf_dequantized_rounding():

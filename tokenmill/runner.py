@@ -14,14 +14,22 @@ from tokenmill.decode_graphs import DecodeGraphs
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.kernels import quant
 from tokenmill.model.arena import huge_page_buffer
 from tokenmill.sample.sampler import Sampler, needs_processing, token_logprobs
 
 
 def _decode_like(s: ScheduledRequest) -> bool:
-    """A single-token query, or a decode with proposed tokens: each of its tokens is a query row of the
-    batched decode path (one row per position, causal among themselves through their context lengths)."""
-    return s.num_new_tokens == 1 or bool(s.spec_token_ids)
+    """A single-token query past the prompt, or a decode with proposed tokens: each of its tokens is a query
+    row of the batched decode path (one row per position, causal among themselves through their context
+    lengths). A one-token chunk of a prompt (its last token, where the prefix cache held the rest) is a
+    prompt chunk as any other: the same rows of a prompt are computed the same way whatever the cache held."""
+    return bool(s.spec_token_ids) or (s.num_new_tokens == 1 and not in_prompt(s))
+
+
+def in_prompt(s: ScheduledRequest) -> bool:
+    """Whether the chunk lies wholly inside its request's prompt (its rows are a prompt's: quant.py)."""
+    return not s.spec_token_ids and s.request.num_computed_tokens + s.num_new_tokens <= s.request.num_prompt_tokens
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -82,12 +90,12 @@ class ModelRunner:
                        interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
         """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
         fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
-        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch or
-        interrupted() already holds. The burst ends early when every request has produced a stop token,
+        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch, a request's
+        token is still its prompt's, or interrupted() already holds. The burst ends early when every request has produced a stop token,
         or after the step running when interrupt() is called."""
-        if not self.supports_bursts:
-            return None
         items = sched.scheduled
+        if not self.supports_bursts or any(in_prompt(s) for s in items):
+            return None
         input_ids, positions, meta, _ = self._prepare(items)
         fused = self.model._fused_decoder(self.kv_caches, meta)
         if fused is None:  # no kernels on this CPU, or a shape they do not take
@@ -121,8 +129,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> ModelOutput:
-        # Decode rows first: the attention backend batches them in one call.
-        items = sorted(sched.scheduled, key=lambda s: not _decode_like(s))
+        # Decode rows first: the attention backend batches them in one call; prompt rows last.
+        items = sorted(sched.scheduled, key=lambda s: (not _decode_like(s), in_prompt(s)))
         input_ids, positions, meta, starts = self._prepare(items)
         out = ModelOutput()
         decode_only = meta.num_decodes == meta.num_reqs
@@ -237,8 +245,8 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         starts, seq_lens, query_start, request_lens = [], [], [0], []
-        # Any single-token query (decode, or a one-token chunk) takes the batched path; so does each token
-        # of a decode with proposals, as a row of its own whose context ends at its position.
+        # A single-token query past the prompt (decode) takes the batched path; so does each token of a
+        # decode with proposals, as a row of its own whose context ends at its position.
         decode_tables: list[list[int]] = []
         for s in items:
             req = s.request
@@ -273,6 +281,7 @@ class ModelRunner:
                                                  for s in items if not _decode_like(s)],
             block_size=bs,
             request_lens=torch.tensor(request_lens, dtype=torch.long, device=dev),
+            num_prompt_rows=sum(s.num_new_tokens for s in items if in_prompt(s)),
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, starts)
@@ -286,7 +295,8 @@ class ModelRunner:
         n = min(s.num_new_tokens, req.num_prompt_tokens - 1 - start)
         if n <= 0:
             return out
-        logprobs = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
+        with quant.prompt_rows(n, 0):  # a prompt's rows, whatever their count (quant.py)
+            logprobs = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
         k = req.sampling_params.prompt_logprobs
         targets = req.prompt_token_ids[start + 1:start + 1 + n]
         out.extend(token_logprobs(logprobs[i], t, k) for i, t in enumerate(targets))

@@ -26,6 +26,9 @@ class AttentionMetadata:
     # [num_tokens] how many tokens (prompt and output so far) each token's request holds, for models whose
     # rotation of a token depends on it (LongRoPE). None: by position alone, right for each request's last token.
     request_lens: torch.Tensor | None = None
+    # How many of the last tokens are rows of a prompt (a chunk wholly inside its request's prompt): their
+    # products with quantized weights take float inputs (kernels/quant.py), and the step runs module by module.
+    num_prompt_rows: int = 0
     # Filled by a backend on the first layer and reused by the others (gather indices, masks).
     cache: dict = field(default_factory=dict)
 

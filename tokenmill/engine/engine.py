@@ -18,7 +18,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from tokenmill.model.loader import load_model
 from tokenmill.outputs import RequestOutput
-from tokenmill.runner import ModelRunner, kv_bytes_per_block
+from tokenmill.runner import ModelRunner, in_prompt, kv_bytes_per_block
 from tokenmill.sample import defaults as sampling_defaults
 from tokenmill.sample.sampler import needs_processing
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -295,7 +295,7 @@ class LLMEngine:
 
     def _burst_steps(self, sched, streaming: bool) -> int:
         """How many decode steps this step may run back to back: 1 unless every scheduled request decodes
-        plain greedily, nothing waits and (with `streaming` consumers) none streams; never past a request's
+        plain greedily past its prompt, nothing waits and (with `streaming` consumers) none streams; never past a request's
         max_tokens or the context length, and only as far as free KV blocks hold every request's tokens."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
@@ -303,7 +303,7 @@ class LLMEngine:
             return 1
         for s in sched.scheduled:
             req = s.request
-            if s.num_new_tokens != 1 or not s.samples or needs_processing(req) or (
+            if s.num_new_tokens != 1 or not s.samples or needs_processing(req) or in_prompt(s) or (
                     streaming and req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,

@@ -8,10 +8,12 @@ per machine. Where no compiler is available the loader dequantizes instead (and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+import threading
 
 import torch
 
@@ -106,6 +108,41 @@ def _apply_float_rows(module) -> None:
         module.set_float_rows(rows)
 
 
+# A prompt's rows take float inputs whatever their count: a prompt's logits are then those of the dequantized
+# model, and do not depend on how much of it the prefix cache held or how it was split into chunks (the part
+# computed can be a few rows, which the count alone would send to the int8 path). Decode rows, speculative
+# verify rows and rows recomputed after a preemption follow the count (set_float_rows).
+# TOKENMILL_QUANT_FLOAT_PROMPTS=0 sends them by the count too (to compare the two).
+_prompts_float = os.environ.get("TOKENMILL_QUANT_FLOAT_PROMPTS", "1") != "0"
+_step = threading.local()  # the model step running on this thread: (its rows, the first of its prompt rows)
+
+
+def set_float_prompts(on: bool) -> None:
+    """Whether a prompt's rows take float inputs whatever their count (the default), or follow the count as
+    other rows do (to compare schedules on the int8 path alone)."""
+    global _prompts_float
+    _prompts_float = bool(on)
+
+
+@contextlib.contextmanager
+def prompt_rows(rows: int, first: int):
+    """Within: the model step on this thread has `rows` rows, those from `first` on a prompt's (the engine
+    lays them out last). Products over the step's rows (float_from) take float inputs for those."""
+    held = getattr(_step, "rows", None)
+    _step.rows = (rows, first) if _prompts_float and first < rows else None
+    try:
+        yield
+    finally:
+        _step.rows = held
+
+
+def float_from(rows: int) -> int | None:
+    """For a product over `rows` rows: the first of them that takes float inputs, where they are the running
+    step's rows and it has prompt rows; else None."""
+    step = getattr(_step, "rows", None)
+    return step[1] if step is not None and step[0] == rows else None
+
+
 def type_name(qtype: int) -> str:
     import gguf
 
@@ -150,10 +187,19 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ W^T -> [..., N] in x's dtype."""
+    def matmul(self, x: torch.Tensor, float_from: int | None = None) -> torch.Tensor:
+        """x [..., K] @ W^T -> [..., N] in x's dtype. Rows from float_from on (of x's rows, flattened) take
+        float inputs whatever their count; the rows before it (all, where None) take the path their count
+        chooses."""
         lead = x.shape[:-1]
-        y = _module.qmatmul(x.reshape(-1, self.shape[1]), self.data, self.qtype, self.shape[1])
+        x = x.reshape(-1, self.shape[1])
+        if float_from is None or float_from >= x.shape[0]:
+            y = _module.qmatmul(x, self.data, self.qtype, self.shape[1])
+        elif float_from <= 0:
+            y = _module.qmatmul(x, self.data, self.qtype, self.shape[1], float_inputs=True)
+        else:
+            y = torch.cat([_module.qmatmul(x[:float_from], self.data, self.qtype, self.shape[1]),
+                           _module.qmatmul(x[float_from:], self.data, self.qtype, self.shape[1], float_inputs=True)])
         return y.view(*lead, self.shape[0])
 
     def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:

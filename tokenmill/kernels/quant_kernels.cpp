@@ -24,8 +24,9 @@ tmq::Format checked_format(int64_t type, int64_t K, const torch::Tensor& w) {
 
 }  // namespace
 
-// x [M, K] float32 or bfloat16; w [N, bytes per row] uint8 -> y [M, N] in x's dtype.
-torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t type, int64_t K) {
+// x [M, K] float32 or bfloat16; w [N, bytes per row] uint8 -> y [M, N] in x's dtype. float_inputs: the
+// dequantized-tile path whatever M.
+torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t type, int64_t K, bool float_inputs) {
   checked_format(type, K, w);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "activation must be [M, ", K, "]");
   TORCH_CHECK(x_in.dtype() == torch::kFloat32 || x_in.dtype() == torch::kBFloat16, "activation must be float32 or bfloat16");
@@ -33,7 +34,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const torch::Tensor& w, int64_t
   torch::Tensor y = torch::empty({x.size(0), w.size(0)}, x.options());
   {
     pybind11::gil_scoped_release nogil;
-    tmq::block_product((int)type, w.data_ptr<uint8_t>(), w.size(1), w.size(0), x, y);
+    tmq::block_product((int)type, w.data_ptr<uint8_t>(), w.size(1), w.size(0), x, y, float_inputs);
   }
   return y;
 }
@@ -80,7 +81,8 @@ torch::Tensor repack(const torch::Tensor& blocks, int64_t type, int64_t K, std::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qmatmul", &qmatmul, "x [M, K] @ W^T for a block-quantized W [N, bytes per row]");
+  m.def("qmatmul", &qmatmul, "x [M, K] @ W^T for a block-quantized W [N, bytes per row]", py::arg("x"), py::arg("w"),
+        py::arg("type"), py::arg("K"), py::arg("float_inputs") = false);
   m.def("repack", &repack, "GGUF blocks into the kernel's layout of the same bytes", py::arg("blocks"),
         py::arg("type"), py::arg("K"), py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "rows of a block-quantized matrix as float32");

@@ -126,13 +126,15 @@ inline void amx_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N
 #endif
 
 // y [M, N] = x [M, K] W^T, W: N rows of `row_bytes` in block format `type` (quant.h's layout); x float32 or
-// bfloat16 (contiguous), y a view of x's dtype (rows may be strided: a merged projection's columns). Call it
-// outside any parallel region, without the GIL.
+// bfloat16 (contiguous), y a view of x's dtype (rows may be strided: a merged projection's columns).
+// float_inputs: dequantized tiles whatever M (a prompt's rows, quant.py). Call it outside any parallel
+// region, without the GIL.
 inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const torch::Tensor& x,
-                          torch::Tensor y) {
+                          torch::Tensor y, bool float_inputs = false) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   if (M == 0 || N == 0) return;
-  if (M >= float_rows_for(x.scalar_type() == torch::kBFloat16)) return dequantized_product(type, w, row_bytes, N, x, y);
+  if (float_inputs || M >= float_rows_for(x.scalar_type() == torch::kBFloat16))
+    return dequantized_product(type, w, row_bytes, N, x, y);
   const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();
   const float* xp = x32.data_ptr<float>();
   // The products are float32: straight into y where it is float32 with unit column stride, else through a copy.

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.cpu import linear
+from tokenmill.kernels.quant import float_from
 
 
 class RMSNorm(nn.Module):
@@ -93,7 +94,8 @@ class _QuantizableLinear(nn.Module):
         if q is None:
             y = linear(x, self.weight, self.bias)
         else:
-            y = torch.cat([p.matmul(x) for p in q], dim=-1) if isinstance(q, list) else q.matmul(x)
+            f = float_from(x.numel() // x.shape[-1])  # a prompt's rows of the running step
+            y = torch.cat([p.matmul(x, f) for p in q], dim=-1) if isinstance(q, list) else q.matmul(x, f)
             y = y if self.bias is None else y + self.bias
         return y if self.sum_group is None else self.sum_group.all_reduce(y)
 

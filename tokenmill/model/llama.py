@@ -11,6 +11,7 @@ from torch import nn
 from tokenmill.attention import kv_format
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.kernels import quant
 from tokenmill.model.description import ACTIVATIONS, DecoderConfig, layer_windows  # noqa: F401 (re-export)
 from tokenmill.model.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, softcap
 from tokenmill.model.moe import EXPERT_WEIGHT, PARTS, Experts, SparseMoE
@@ -129,8 +130,10 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embed_scale != 1.0:
             x = x * self.embed_scale(x.dtype)
         ropes = [r.lookup(positions, x.dtype, meta.request_lens) for r in self.rotaries]
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, ropes, kv, meta)
+        rows = x.shape[0]
+        with quant.prompt_rows(rows, rows - meta.num_prompt_rows):
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, ropes, kv, meta)
         return self.norm(x)
 
     def embed_scale(self, dtype: torch.dtype) -> float:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.cpu import linear
+from tokenmill.kernels.quant import float_from
 from tokenmill.model.description import MoESpec
 from tokenmill.model.layers import GatedMLP, Linear, gated
 
@@ -116,14 +117,15 @@ class Experts(nn.Module):
         return gate_up, down
 
     # ------------------------------------------------------------------ compute
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e over rows x [n, H] -> [n, H]: one product per weight matrix for all n rows."""
+    def expert(self, e: int, x: torch.Tensor, float_from: int | None = None) -> torch.Tensor:
+        """Expert e over rows x [n, H] -> [n, H]: one product per weight matrix for all n rows (block-format
+        products take float inputs from row float_from on: a prompt's rows)."""
         if self._slices[0] is None:
             gate, up = linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
         else:
-            gate, up = self._slices[0][e].matmul(x), self._slices[1][e].matmul(x)
+            gate, up = self._slices[0][e].matmul(x, float_from), self._slices[1][e].matmul(x, float_from)
         h = gated(gate, up, self.activation)
-        return linear(h, self.down_proj[e]) if self._slices[2] is None else self._slices[2][e].matmul(h)
+        return linear(h, self.down_proj[e]) if self._slices[2] is None else self._slices[2][e].matmul(h, float_from)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> [T, H]: sum over j of weights[t, j] * expert ids[t, j] (x[t])."""
@@ -134,10 +136,14 @@ class Experts(nn.Module):
         token = order // k
         rows = x.index_select(0, token)
         out = torch.empty_like(rows)
+        # Where the step's last rows are a prompt's (float_from): each expert's rows are in token order, so
+        # its rows of the tokens before those come first.
+        first = float_from(x.shape[0])
+        before = None if first is None else torch.bincount(flat[:first * k], minlength=self.num_experts).tolist()
         start = 0
         for e, n in enumerate(counts):
             if n:
-                out[start:start + n] = self.expert(e, rows[start:start + n])
+                out[start:start + n] = self.expert(e, rows[start:start + n], None if before is None else before[e])
                 start += n
         scaled = out * weights.reshape(-1)[order].unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, token, scaled.to(x.dtype))
