@@ -33,12 +33,12 @@ def main() -> None:
     base = llm.get_default_sampling_params()
     one = [llm.chat([CHAT], base.clone(seed=s, max_tokens=24), use_tqdm=False)[0].outputs[0].text for s in SEEDS]
     llm.engine.reset_prefix_cache()
-    batch = [o.outputs[0].text for o in llm.chat([CHAT] * len(SEEDS), [base.clone(seed=s, max_tokens=24) for s in SEEDS],
-                                                 use_tqdm=False)]
+    params = [base.clone(seed=s, max_tokens=24) for s in SEEDS]
+    batch = [o.outputs[0].text for o in llm.chat([CHAT] * len(SEEDS), params, use_tqdm=False)]
     del llm
     port = 8431
-    server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
             try:
@@ -47,9 +47,11 @@ def main() -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        served = [httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
-                             json={"messages": CHAT, "seed": s, "max_tokens": 24}).json()["choices"][0]["message"]["content"]
-                  for s in SEEDS]
+        served = []
+        for s in SEEDS:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                           json={"messages": CHAT, "seed": s, "max_tokens": 24})
+            served.append(r.json()["choices"][0]["message"]["content"])
     finally:
         server.terminate()
         server.wait()

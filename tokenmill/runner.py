@@ -90,9 +90,9 @@ class ModelRunner:
                        interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
         """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
         fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
-        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch, a request's
-        token is still its prompt's, or interrupted() already holds. The burst ends early when every request has produced a stop token,
-        or after the step running when interrupt() is called."""
+        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch, a
+        request's token is still its prompt's, or interrupted() already holds. The burst ends early when
+        every request has produced a stop token, or after the step running when interrupt() is called."""
         items = sched.scheduled
         if not self.supports_bursts or any(in_prompt(s) for s in items):
             return None

@@ -295,8 +295,9 @@ class LLMEngine:
 
     def _burst_steps(self, sched, streaming: bool) -> int:
         """How many decode steps this step may run back to back: 1 unless every scheduled request decodes
-        plain greedily past its prompt, nothing waits and (with `streaming` consumers) none streams; never past a request's
-        max_tokens or the context length, and only as far as free KV blocks hold every request's tokens."""
+        plain greedily past its prompt, nothing waits and (with `streaming` consumers) none streams; never
+        past a request's max_tokens or the context length, and only as far as free KV blocks hold every
+        request's tokens."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
                 or self._interrupted.is_set()):
