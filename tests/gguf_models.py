@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")  # the types gguf's Python code can quantize
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "TQ2_0")  # the types gguf's Python code can quantize
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -111,7 +111,7 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     rope_factors_short tensors and its rotary dims, original context and attention factor as metadata; experts
     stacked per layer (ffn_*_exps), Mixtral as arch llama with expert counts, routers (ffn_gate_inp) kept F32
     as llama.cpp's quantizer keeps them. types(gguf name) gives each weight's type name:
-    F32, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
+    F32, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/TQ2_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
     file's weights are then whatever those blocks hold). Norms stay F32. metadata: more key/value pairs
     (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out. legacy_experts: one tensor per expert
     (blk.N.ffn_gate.E, ...), the layout of older Mixtral files."""

@@ -9,7 +9,7 @@ gguf = pytest.importorskip("gguf")
 from tokenmill.kernels import quant  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -39,6 +39,10 @@ def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
         return gguf.quants.quantize(w, qtype)
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
+    if qtype == T.MXFP4:  # the E8M0 scale byte: 2^-10 to 2^-4, and some of the smallest (subnormal halves)
+        data[..., 0] = np.where(rng.random((n, k // block)) < 0.05, rng.integers(0, 2, (n, k // block)),
+                                rng.integers(117, 124, (n, k // block)))
+        return data.reshape(n, -1)
     halves = rng.uniform(1e-4, 2e-3, (n, k // block, 2)).astype(np.float16).view(np.uint8)
     if qtype == T.Q6_K:  # d is the last 2 bytes
         data[..., -2:] = halves[..., 0:2]
@@ -186,8 +190,9 @@ def test_bfloat16_prompt_rows_meet_bfloat16_weights(kernels):
         # The same bits but for a rare last-bit difference: a GEMM's blocking of a weight tile can order a
         # column's sums differently from one over the whole matrix.
         assert (got != torch.nn.functional.linear(x, w16)).float().mean() < 1e-3, (qtype, n, k)
-        float_weights = torch.nn.functional.linear(x.float(), w.dequantize()).to(torch.bfloat16)
-        assert (got != float_weights).float().mean() > 0.05, (qtype, n, k)
+        if qtype != T.MXFP4:  # (whose values, a power of two times a 2-bit mantissa, bfloat16 holds exactly)
+            float_weights = torch.nn.functional.linear(x.float(), w.dequantize()).to(torch.bfloat16)
+            assert (got != float_weights).float().mean() > 0.05, (qtype, n, k)
 
 
 def test_bad_shapes_name_the_tensor(kernels):

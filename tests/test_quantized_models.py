@@ -38,9 +38,10 @@ VARIANTS = {
     "Q4_0": lambda name: "Q8_0" if name.startswith("output") else "Q4_0",
     "Q4_1": lambda name: "Q4_1",
     "Q4_K_M": _q4_k_m,
-    # q, k and v in different formats (one merged projection, three kernels); MXFP4 has no kernel (dequantized)
+    # q, k and v in different formats (one merged projection, three kernels), gate and up too (Q4_1 and
+    # MXFP4); TQ2_0 has no kernel (dequantized)
     "mixed": lambda name: {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
-                           "ffn_up": "MXFP4"}.get(name.split(".")[-2], "Q4_1"),
+                           "ffn_up": "MXFP4", "ffn_down": "TQ2_0"}.get(name.split(".")[-2], "Q4_1"),
 }
 
 
@@ -239,9 +240,10 @@ def test_memory_is_the_files(quantized_files):
 def test_types_without_kernel_are_dequantized_and_said(quantized_files, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         llm = _engine(quantized_files["mixed"])
-    assert "no kernel for MXFP4: 2 tensors dequantized at load (e.g. blk.0.ffn_up.weight)" in caplog.text
-    gate_up = llm.engine.model.layers[0].mlp.gate_up_proj
-    assert gate_up.qweight is None and gate_up.weight is not None  # up is float, so gate is dequantized too
+    assert "no kernel for TQ2_0: 2 tensors dequantized at load (e.g. blk.0.ffn_down.weight)" in caplog.text
+    mlp = llm.engine.model.layers[0].mlp
+    assert mlp.down_proj.qweight is None and mlp.down_proj.weight is not None
+    assert [w.name for w in mlp.gate_up_proj.qweight] == ["Q4_1", "MXFP4"]
     qkv = llm.engine.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.qweight, list) and [w.name for w in qkv.qweight] == ["Q4_0", "Q8_0", "Q5_1"]
 

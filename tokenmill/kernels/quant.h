@@ -15,6 +15,7 @@
 //   Q4_1  [nb float16 scales d] [nb float16 offsets m] [quants]
 //   Q5_0  [nb float16 scales d] [nb uint32 fifth bits] [quants]
 //   Q5_1  [nb float16 scales d] [nb float16 offsets m] [nb uint32 fifth bits] [quants]
+//   MXFP4 [nb E8M0 scales] [quants] (w = 2^(e - 127) v, v the FP4 (E2M1) value a 4-bit code names; gpt-oss)
 // (the fifth bits of a block: bit i for element i, as GGUF's qh) where the low 4 bits of blocks 2p and 2p+1
 // share 32 bytes, byte i holding element i of the first
 // block in its low nibble and element i of the second in its high nibble (so one 32-byte load splits into
@@ -44,7 +45,17 @@
 namespace tmq {
 
 // GGML type ids (gguf.GGMLQuantizationType).
-enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
+
+// MXFP4: the FP4 (E2M1) values of the 16 codes, doubled to be integers (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+// negatives), and a block scale 2^(e - 127) halved to match: the scale of a block is e8m0_half(e).
+constexpr int8_t kFp4Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_half(uint8_t e) {  // 2^(e - 128), as a float's bits (e < 2: a subnormal)
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // The 32-element formats of 4 or 5 bits (Q4_0, Q4_1, Q5_0, Q5_1): with an offset per block (w = d q + m) or a
 // fixed bias (w = d (q - 8), d (q - 16)); where a repacked row's parts start.
@@ -115,6 +126,7 @@ inline bool format_of(int type, Format& f) {
     case Q4_K: f = {QKK, 144}; return true;
     case Q5_K: f = {QKK, 176}; return true;
     case Q6_K: f = {QKK, 210}; return true;
+    case MXFP4: f = {QK, 17}; return true;
     default: return false;
   }
 }
@@ -128,6 +140,21 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
       const uint16_t* d = (const uint16_t*)row;
       const int8_t* qs = (const int8_t*)(row + 2 * nb);
       for (int64_t i = 0; i < K; ++i) y[i] = fp16(d[i / QK]) * qs[i];
+      break;
+    }
+    case MXFP4: {  // the repacked layout: scales, then the codes in pairs of blocks as the 4-bit formats'
+      const int64_t nb = K / QK;
+      const uint8_t* qs = row + nb;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = qs + (b / 2) * 32;
+        const float d = e8m0_half(row[b]);
+        for (int i = 0; i < 32; ++i) {
+          int q;
+          if (b + 1 < nb || nb % 2 == 0) q = b % 2 ? p[i] >> 4 : p[i] & 0xF;
+          else q = i < 16 ? p[i] & 0xF : p[i - 16] >> 4;  // an odd last block, as GGUF holds it
+          y[b * 32 + i] = d * kFp4Doubled[q];
+        }
+      }
       break;
     }
     case Q4_0:
@@ -509,6 +536,20 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
   const int64_t nb = K / f.block;
   if (type != Q8_0 && f.block != QK) {
     std::memcpy(out, in, nb * f.bytes);
+    return;
+  }
+  if (type == MXFP4) {  // [nb scales] then the codes paired as below (a GGUF block: its scale, 16 bytes of codes)
+    uint8_t* qs = out + nb;
+    for (int64_t b = 0; b < nb; ++b) out[b] = in[b * f.bytes];
+    for (int64_t b = 0; b + 1 < nb; b += 2) {
+      const uint8_t *qa = in + b * f.bytes + 1, *qb = qa + f.bytes;
+      uint8_t* o = qs + (b / 2) * 32;
+      for (int i = 0; i < 16; ++i) {
+        o[i] = (qa[i] & 0xF) | (qb[i] & 0xF) << 4;
+        o[i + 16] = (qa[i] >> 4) | (qb[i] >> 4) << 4;
+      }
+    }
+    if (nb % 2) std::memcpy(qs + (nb / 2) * 32, in + (nb - 1) * f.bytes + 1, 16);
     return;
   }
   const bool min = has_min(type), five = five_bits(type);
@@ -976,6 +1017,60 @@ inline void dot_q4_01_avx2(const uint8_t* row, const QRow* x, int64_t K, float* 
 }
 #endif
 
+#ifdef TM_QUANT_AVX512
+// MXFP4: w = e8m0_half(e) v, v a doubled FP4 value looked up from its code (one byte shuffle per 64 codes),
+// then |v| times (x with v's sign) as Q8_0's VNNI path; a pair of blocks per 32-byte load, 16 blocks' scales
+// as a vector.
+template <int R>
+inline void dot_mxfp4(const uint8_t* row, const QRow* x, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  const uint8_t* qs = row + nb;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kFp4Doubled));
+  auto products = [&](__m512i codes, const int8_t* const* xq, __m512i* p) {  // R sums of 4 products, per lane
+    const __m512i v = _mm512_shuffle_epi8(table, codes);
+    const __m512i vabs = _mm512_abs_epi8(v);
+    const __mmask64 neg = _mm512_movepi8_mask(v);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512((const void*)xq[r]);
+      p[r] = dot4(vabs, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
+    }
+  };
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xq[R];
+  __m512i p[R];
+  for (int64_t g = 0; g < nb; g += 16) {
+    const int n = (int)std::min<int64_t>(16, nb - g);
+    const __mmask16 mask = (__mmask16)((1u << n) - 1);
+    alignas(64) float dw[16] = {};
+    for (int i = 0; i < n; ++i) dw[i] = e8m0_half(row[g + i]);
+    const __m512 dv = _mm512_load_ps(dw);
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
+    const int pairs = (g + n == nb && nb % 2) ? (n - 1) / 2 : n / 2;
+    for (int k = 0; k < pairs; ++k) {
+      for (int r = 0; r < R; ++r) xq[r] = x[r].q + (g + 2 * k) * QK;
+      products(nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g + 2 * k) / 2 * 32))), xq, p);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r]), pair_scales(scale[r], k), acc[r]);
+    }
+    if (2 * pairs < n) {  // the odd last block, as GGUF holds it: its 32 codes in the low half
+      const int64_t b = g + n - 1;
+      const __m128i q = _mm_loadu_si128((const __m128i*)(qs + b / 2 * 32));
+      const __m128i m = _mm_set1_epi8(0xF);
+      const __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)),
+                                                    _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
+      alignas(64) int8_t xb[R][64] = {};
+      for (int r = 0; r < R; ++r) std::memcpy(xb[r], x[r].q + b * QK, QK), xq[r] = xb[r];
+      products(_mm512_inserti64x4(_mm512_setzero_si512(), codes, 0), xq, p);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r]), _mm512_permutexvar_ps(_mm512_set1_epi32(n - 1), scale[r]),
+                                 acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 // out[r] = dot(weight row, activation row r) for R activation rows.
 template <int R>
 inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* out) {
@@ -1001,6 +1096,7 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
     case Q4_K: return dot_q45_k<R, false>(row, x, K, out);
     case Q5_K: return dot_q45_k<R, true>(row, x, K, out);
     case Q6_K: return dot_q6_k<R>(row, x, K, out);
+    case MXFP4: return dot_mxfp4<R>(row, x, K, out);
   }
 #endif
   dot_generic<R>(type, row, x, K, out);

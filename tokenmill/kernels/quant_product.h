@@ -151,7 +151,7 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
       quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
   });
 #ifdef TM_QUANT_AMX
-  if (M >= kAmxRows && amx_usable()) {
+  if (M >= kAmxRows && amx_usable() && type != MXFP4) {  // (no tile unpacking for MXFP4's codes yet)
     amx_product(type, w, row_bytes, N, q.data(), d.data(), s.data(), M, K, yp, ldy);
     if (!direct) y.copy_(y32);
     return;
