@@ -772,21 +772,31 @@ inline __mmask64 fifth_bits_mask(const uint32_t* first, const uint32_t* second) 
 }
 
 // Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout: a pair of blocks per 32-byte load,
-// 16 blocks' scales and offsets as vectors; Q5_0 and Q5_1 add each pair's fifth bits as a byte mask.
-template <int R, bool HAS_MIN, bool FIVE>
+// 16 blocks' scales and offsets as vectors; Q5_0 and Q5_1 add each pair's fifth bits as a byte mask. MXFP4
+// (FP4): a byte shuffle turns each code q into u = v + 12, v its doubled FP4 value, so w = e8m0_half(e) (u - 12):
+// unsigned bytes as the other formats', with the offset taken through the inputs' block sums as Q4_0's.
+template <int R, bool HAS_MIN, bool FIVE, bool FP4 = false>
 inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
   const NibbleRow rw(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
   const uint16_t* dp = rw.d;
   const uint16_t* mp = rw.m;
-  const uint8_t* qs = rw.qs;
-  const float bias = FIVE ? -16.f : -8.f;
+  const uint8_t* qs = FP4 ? row + nb : rw.qs;
+  const float bias = FP4 ? -12.f : FIVE ? -16.f : -8.f;
+  const __m512i fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  auto lookup = [&](__m512i codes) { return FP4 ? _mm512_shuffle_epi8(fp4, codes) : codes; };
   __m512 acc[R], acc2[R], off[R];  // acc2: the high nibbles' blocks of whole quads (a second chain)
   for (int r = 0; r < R; ++r) acc[r] = acc2[r] = off[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += 16) {
     const int n = (int)std::min<int64_t>(16, nb - g);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
-    __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
+    __m512 dv;
+    if constexpr (FP4) {  // 2^(e - 128) (subnormal for e < 2) from 16 scale bytes (the codes follow: in the row)
+      const __m512i e = _mm512_maskz_mov_epi32(mask, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + g))));
+      dv = _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
+    } else {
+      dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
+    }
     __m512 mv = HAS_MIN ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mp + g)) : _mm512_mul_ps(dv, _mm512_set1_ps(bias));
     __m512 scale[R];
     for (int r = 0; r < R; ++r) {
@@ -799,7 +809,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
     for (int j = 0; j < quads; ++j) {
       const __m512i q = _mm512_loadu_si512((const void*)(qs + (g / 2 + 2 * j) * 32));
       const __m512i m4 = _mm512_set1_epi8(0xF);
-      __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+      __m512i lo = lookup(_mm512_and_si512(q, m4)), hi = lookup(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
       if (FIVE) {
         const uint32_t* h = rw.qh + g + 4 * j;
         const __m512i c16 = _mm512_set1_epi8(16);
@@ -817,7 +827,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       }
     }
     for (int k = 2 * quads; k < n / 2; ++k) {
-      __m512i wv = nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g / 2 + k) * 32)));
+      __m512i wv = lookup(nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g / 2 + k) * 32))));
       if (FIVE) {
         const uint32_t* h = rw.qh + g + 2 * k;
         wv = _mm512_mask_add_epi8(wv, fifth_bits_mask(h, h + 1), wv, _mm512_set1_epi8(16));
@@ -835,6 +845,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
                                            _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
       if (FIVE) wv = _mm256_or_si256(wv, fifth_bits(rw.qh + b));
+      if (FP4) wv = _mm512_castsi512_si256(lookup(_mm512_castsi256_si512(wv)));
       for (int r = 0; r < R; ++r) {
         __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
@@ -1017,60 +1028,6 @@ inline void dot_q4_01_avx2(const uint8_t* row, const QRow* x, int64_t K, float* 
 }
 #endif
 
-#ifdef TM_QUANT_AVX512
-// MXFP4: w = e8m0_half(e) v, v a doubled FP4 value looked up from its code (one byte shuffle per 64 codes),
-// then |v| times (x with v's sign) as Q8_0's VNNI path; a pair of blocks per 32-byte load, 16 blocks' scales
-// as a vector.
-template <int R>
-inline void dot_mxfp4(const uint8_t* row, const QRow* x, int64_t K, float* out) {
-  const int64_t nb = K / QK;
-  const uint8_t* qs = row + nb;
-  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kFp4Doubled));
-  auto products = [&](__m512i codes, const int8_t* const* xq, __m512i* p) {  // R sums of 4 products, per lane
-    const __m512i v = _mm512_shuffle_epi8(table, codes);
-    const __m512i vabs = _mm512_abs_epi8(v);
-    const __mmask64 neg = _mm512_movepi8_mask(v);
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_loadu_si512((const void*)xq[r]);
-      p[r] = dot4(vabs, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
-    }
-  };
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* xq[R];
-  __m512i p[R];
-  for (int64_t g = 0; g < nb; g += 16) {
-    const int n = (int)std::min<int64_t>(16, nb - g);
-    const __mmask16 mask = (__mmask16)((1u << n) - 1);
-    alignas(64) float dw[16] = {};
-    for (int i = 0; i < n; ++i) dw[i] = e8m0_half(row[g + i]);
-    const __m512 dv = _mm512_load_ps(dw);
-    __m512 scale[R];
-    for (int r = 0; r < R; ++r) scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
-    const int pairs = (g + n == nb && nb % 2) ? (n - 1) / 2 : n / 2;
-    for (int k = 0; k < pairs; ++k) {
-      for (int r = 0; r < R; ++r) xq[r] = x[r].q + (g + 2 * k) * QK;
-      products(nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g + 2 * k) / 2 * 32))), xq, p);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r]), pair_scales(scale[r], k), acc[r]);
-    }
-    if (2 * pairs < n) {  // the odd last block, as GGUF holds it: its 32 codes in the low half
-      const int64_t b = g + n - 1;
-      const __m128i q = _mm_loadu_si128((const __m128i*)(qs + b / 2 * 32));
-      const __m128i m = _mm_set1_epi8(0xF);
-      const __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)),
-                                                    _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
-      alignas(64) int8_t xb[R][64] = {};
-      for (int r = 0; r < R; ++r) std::memcpy(xb[r], x[r].q + b * QK, QK), xq[r] = xb[r];
-      products(_mm512_inserti64x4(_mm512_setzero_si512(), codes, 0), xq, p);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r]), _mm512_permutexvar_ps(_mm512_set1_epi32(n - 1), scale[r]),
-                                 acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-#endif
-
 // out[r] = dot(weight row, activation row r) for R activation rows.
 template <int R>
 inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* out) {
@@ -1096,7 +1053,7 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
     case Q4_K: return dot_q45_k<R, false>(row, x, K, out);
     case Q5_K: return dot_q45_k<R, true>(row, x, K, out);
     case Q6_K: return dot_q6_k<R>(row, x, K, out);
-    case MXFP4: return dot_mxfp4<R>(row, x, K, out);
+    case MXFP4: return dot_q4_01<R, false, false, true>(row, x, K, out);
   }
 #endif
   dot_generic<R>(type, row, x, K, out);
