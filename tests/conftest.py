@@ -89,7 +89,23 @@ def moe_configs(common: dict) -> dict:
         "qwen2-moe": Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, **experts, shared_expert_intermediate_size=64,
                                     norm_topk_prob=False, mlp_only_layers=[1]),
         "qwen3-moe": Qwen3MoeConfig(**common, **experts, head_dim=32, norm_topk_prob=True),
+        "gpt-oss": gpt_oss_config(common),
     }
+
+
+def gpt_oss_config(common: dict, **overrides):
+    """gpt-oss: 8 experts of 32 rows, 2 a token, with biases; attention sinks; three layers, sliding (a window
+    of 8), full, sliding; YaRN rope whose original context (32) most prompts and generations pass; a clamp
+    (0.5) that these small activations reach."""
+    from transformers import GptOssConfig
+
+    overrides = {"swiglu_limit": 0.5, **overrides}
+    return GptOssConfig(**{**common, "intermediate_size": 32, "num_hidden_layers": 3}, head_dim=16,
+                        num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+                        **overrides)
 
 
 def phi3_configs(common: dict) -> dict:
@@ -116,8 +132,8 @@ def phi3_configs(common: dict) -> dict:
 
 
 ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini", "mixtral",
-         "qwen2-moe", "qwen3-moe"]
-MOE_ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe"]
+         "qwen2-moe", "qwen3-moe", "gpt-oss"]
+MOE_ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss"]
 # The architectures the ONNX export takes: all but mixture-of-experts.
 DENSE_ARCHS = [a for a in ARCHS if a not in MOE_ARCHS]
 
@@ -138,6 +154,12 @@ def save_tiny_models(root, configs) -> dict[str, str]:
                 for param_name, p in model.named_parameters():
                     if param_name.endswith("norm.weight"):
                         p.normal_(0.0, 0.5)
+        if cfg.model_type == "gpt_oss":
+            # Its biases start at zero (router's aside): random ones exercise every bias's place.
+            with torch.no_grad():
+                for param_name, p in model.named_parameters():
+                    if param_name.endswith("bias"):
+                        p.normal_(0.0, 0.2)
         folder = str(root / name)
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
@@ -168,12 +190,12 @@ def block_bytes(folder: str, block_size: int) -> int:
 
 
 def reference_model(folder: str):
-    """transformers' model of a folder in float32: with eager attention for Gemma, the implementation that
+    """transformers' model of a folder in float32: with eager attention for Gemma and gpt-oss, the implementation that
     applies its attention softcapping."""
     from transformers import AutoModelForCausalLM
 
     with open(os.path.join(folder, "config.json")) as f:
-        eager = json.load(f).get("model_type", "").startswith("gemma")
+        eager = json.load(f).get("model_type", "").startswith(("gemma", "gpt_oss"))
     kwargs = {"attn_implementation": "eager"} if eager else {}
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
 

@@ -1,4 +1,4 @@
-"""Tiny GGUF files (Llama, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE), float or with quantized
+"""Tiny GGUF files (Llama, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss), float or with quantized
 tensors, written with the gguf package as llama.cpp's converter lays them out (tokenizer in metadata): fixtures
 for the GGUF loader and the quantized-weight path."""
 
@@ -47,7 +47,7 @@ def llama3_rope_factors(s: dict, head_dim: int, theta: float) -> np.ndarray:
 
 
 _ARCH = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",  # HF model_type -> GGUF arch
-         "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+         "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 
 
 def _moe_metadata(writer, cfg: dict) -> None:
@@ -85,6 +85,32 @@ def _stack_experts(state: dict, legacy: bool = False) -> dict:
             out[hf] = tensor
     for name, parts in experts.items():
         out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def _gpt_oss_tensors(state: dict) -> dict:
+    """gpt-oss's checkpoint tensors as llama.cpp's converter writes them: each layer's stacked experts split
+    into blk.N.ffn_{gate,up,down}_exps ([n_expert, rows, cols] in numpy order; gate at the even columns of
+    gate_up_proj, up at the odd ones) with their biases [n_expert, rows], each layer's sinks as
+    blk.N.attn_sinks; the rest in HF naming, the router under mlp.gate."""
+    import re
+
+    out = {}
+    for hf, t in state.items():
+        m = re.match(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(gate_up_proj|down_proj)(_bias)?|self_attn\.(sinks))$",
+                     hf)
+        if m is None:
+            out[hf.replace(".mlp.router.", ".mlp.gate.")] = t
+            continue
+        layer, which, bias, sinks = m.groups()
+        blk, kind = f"blk.{layer}", "bias" if bias else "weight"
+        if sinks:
+            out[f"{blk}.attn_sinks.weight"] = t
+        elif which == "down_proj":
+            out[f"{blk}.ffn_down_exps.{kind}"] = t if bias else t.transpose(1, 2)
+        else:
+            for part, columns in (("gate", t[..., ::2]), ("up", t[..., 1::2])):
+                out[f"{blk}.ffn_{part}_exps.{kind}"] = columns if bias else columns.transpose(1, 2)
     return out
 
 
@@ -154,6 +180,12 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
         writer.add_rope_scaling_factor(scaling["factor"])
     if arch == "phi3":
         _phi3_metadata(writer, cfg, rope)
+    if arch == "gpt-oss":
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     if cfg.get("num_local_experts") or cfg.get("num_experts"):
         _moe_metadata(writer, cfg)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -184,6 +216,9 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     if gemma:
         parts.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"})
+    if arch == "gpt-oss":
+        parts["post_attention_layernorm"] = "post_attention_norm"
+        state = _gpt_oss_tensors(state)
     if arch == "phi3":
         parts.update({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
         if rope.get("rope_type") == "longrope":

@@ -1,7 +1,8 @@
 """GGUF files of each family against transformers on the Hugging Face folder each was made from: Llama 3.1
 (llama3 rope scaling stored as a rope_freqs tensor), Llama 3.2 (the same, embeddings tied), Gemma 2 and
 Gemma 3 (norms stored as 1 + w, four norms a layer, local and global layers), Phi-3 and Phi-4-mini (merged
-attn_qkv and ffn_up, LongRoPE factors as tensors, partial rotary); and files that cannot load."""
+attn_qkv and ffn_up, LongRoPE factors as tensors, partial rotary), gpt-oss (YaRN from metadata, attention
+sinks as tensors, biased experts, in F32 and in MXFP4); and files that cannot load."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from tests.conftest import PROMPTS, hf_greedy, phi3_configs, save_tiny_models  # noqa: E402
+from tests.conftest import PROMPTS, gpt_oss_config, hf_greedy, phi3_configs, save_tiny_models  # noqa: E402
 from tests.gguf_models import write_llama_gguf  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -40,6 +41,8 @@ def _configs(vocab: int) -> dict:
         "gemma3": Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
                                    query_pre_attn_scalar=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
         **phi3_configs(common),
+        # GGUF files hold no clamp: llama.cpp applies gpt-oss's 7.
+        "gpt-oss": gpt_oss_config(common, swiglu_limit=7.0),
     }
 
 
@@ -55,7 +58,7 @@ def files(tmp_path_factory) -> dict[str, tuple[str, str]]:
     return {name: (folder, write_llama_gguf(root / f"{name}.gguf", folder, _float)) for name, folder in folders.items()}
 
 
-@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "gemma2", "gemma3", "phi3", "phi4-mini"])
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "gemma2", "gemma3", "phi3", "phi4-mini", "gpt-oss"])
 def test_gguf_greedy_matches_transformers_on_its_folder(files, name):
     from transformers import AutoTokenizer
 
@@ -70,6 +73,10 @@ def test_gguf_greedy_matches_transformers_on_its_folder(files, name):
         assert cfg.ropes[0].scaling["rope_type"] == "longrope" and model.kv_recompute_length == 24
         assert (cfg.rotary_dim, cfg.layer_windows[0], model.lm_head is None) == \
             ((16, 20, False) if name == "phi3" else (12, None, True))
+    elif name == "gpt-oss":  # YaRN from the file's keys, unrounded as gpt-oss defines it; sinks; windows of 8
+        assert cfg.ropes[0].scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        assert cfg.attn_sinks and cfg.layer_windows == [8, None, 8] and cfg.moe.expert_bias
     else:
         assert cfg.norm_offset == 1.0 and cfg.sandwich_norms and None in cfg.layer_windows and 8 in cfg.layer_windows
     tok = AutoTokenizer.from_pretrained(folder)
@@ -101,7 +108,8 @@ def test_rope_freqs_hold_the_llama3_scaling(files):
 @pytest.mark.parametrize("name,missing", [("llama3.1", "blk.1.attn_k.weight"), ("llama3.1", "blk.0.ffn_gate.weight"),
                                           ("llama3.1", "output_norm.weight"), ("gemma3", "blk.2.post_ffw_norm.weight"),
                                           ("gemma3", "blk.0.attn_q_norm.weight"), ("phi3", "blk.1.attn_qkv.weight"),
-                                          ("phi3", "blk.0.ffn_up.weight")])
+                                          ("phi3", "blk.0.ffn_up.weight"), ("gpt-oss", "blk.1.attn_sinks.weight"),
+                                          ("gpt-oss", "blk.0.ffn_up_exps.bias")])
 def test_a_missing_tensor_is_named(files, tmp_path, name, missing):
     """A file without one of the model's tensors is refused with that tensor's GGUF name, a part of a
     merged projection (k of q/k/v, gate of gate/up) too."""
@@ -121,7 +129,8 @@ def test_unsupported_architectures_list_the_supported_ones(files, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'; supported: gemma2, gemma3, llama, "
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'; supported: gemma2, gemma3, gpt-oss, "
+                                         r"llama, "
                                          r"mistral, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         LLM(str(gguf_path), dtype="float32")
     # Gemma 3's multimodal checkpoints (image and text) name another class than the text model's.
@@ -134,7 +143,8 @@ def test_unsupported_architectures_list_the_supported_ones(files, tmp_path):
         config = json.load(f)
     (multimodal / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForConditionalGeneration"]}))
     with pytest.raises(ValueError, match=r"unsupported model architecture \['Gemma3ForConditionalGeneration'\]; "
-                                         r"supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"):
+                                         r"supported: Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
+                                         r"LlamaForCausalLM"):
         LLM(str(multimodal), dtype="float32")
 
 
@@ -158,3 +168,65 @@ def test_phi3_merged_projections_run_in_their_block_format(files, tmp_path):
     for prompt, g, w in zip(prompts, got, want):
         for tok, lg, lw in zip(prompt[1:], g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
             assert abs(lg[tok].logprob - lw[tok].logprob) < 0.1
+
+
+def test_gpt_oss_experts_run_in_mxfp4(files, tmp_path):
+    """gpt-oss as its GGUF files ship: the experts in MXFP4, read in place by the MXFP4 kernel (no float copy),
+    the rest F32. Reference: transformers on the same folder, each expert matrix replaced by its MXFP4 values,
+    teacher-forced on our tokens. Module by module with float inputs everywhere: prompt and decode logprobs
+    within 1e-4, every token the reference's greedy choice. Fused decode steps on int8 inputs (as llama.cpp
+    multiplies them): prompt logprobs still within 1e-4 (a prompt's rows take float inputs); decoded tokens
+    the reference's choice at 95% of positions or more, within the int8 rounding (which also flips a near
+    tie between two experts here and there: 1.2 nats at one position of 128, the same module by module)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.kernels import quant
+
+    folder, _ = files["gpt-oss"]
+    path = write_llama_gguf(tmp_path / "gpt-oss-mxfp4.gguf", folder, lambda name: "MXFP4" if "_exps" in name else "F32")
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):  # [E, cols, rows]
+                rows = np.ascontiguousarray(p.transpose(1, 2).numpy())  # each row quantized along its inputs
+                values = gguf.quants.dequantize(gguf.quants.quantize(rows, mxfp4), mxfp4)
+                p.copy_(torch.from_numpy(values.reshape(rows.shape)).transpose(1, 2))
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = [tok.encode(p) for p in PROMPTS]
+
+    def run(fused: bool) -> tuple[np.ndarray, np.ndarray]:  # per decoded token: gap to the top choice, logprob error
+        llm = LLM(path, dtype="float32", seed=0, kv_cache_memory="16MiB")
+        model = llm.engine.model
+        model.use_fused_decode = fused
+        experts = model.layers[0].mlp.experts
+        assert experts.gate_up_proj is None and experts.down_proj is None
+        assert {w.name for w in experts.qparts} == {"MXFP4"}
+        used = []
+        pick = model._fused_decoder
+        model._fused_decoder = lambda *a: used.append(pick(*a)) or used[-1]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, min_tokens=16, temperature=0, prompt_logprobs=1,
+                                                    logprobs=1), use_tqdm=False)
+        assert any(f is not None for f in used) == fused
+        gaps, errors = [], []
+        for ids, out in zip(prompts, outs):
+            gen = out.outputs[0].token_ids
+            with torch.no_grad():
+                want = ref(torch.tensor([ids + gen])).logits[0].log_softmax(-1)
+            got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+            assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=1e-4)
+            for j, t in enumerate(gen):
+                row = want[len(ids) + j - 1]
+                gaps.append(float(row.max() - row[t]))
+                errors.append(abs(out.outputs[0].logprobs[j][t].logprob - float(row[t])))
+        return np.array(gaps), np.array(errors)
+
+    quant.set_float_rows(1)
+    try:
+        gaps, errors = run(fused=False)
+    finally:
+        quant.set_float_rows(0)
+    assert gaps.max() == 0 and errors.max() < 1e-4, (gaps.max(), errors.max())
+    gaps, errors = run(fused=True)
+    assert np.mean(gaps == 0) >= 0.95 and gaps.mean() < 0.03, (np.mean(gaps == 0), gaps.mean())
+    assert errors.mean() < 0.05, errors.mean()

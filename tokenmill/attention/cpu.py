@@ -19,27 +19,29 @@ class TorchSDPABackend(AttentionBackend):
     dtype: a bfloat16 model rounds code * scale to bfloat16 here, where the CPU decode kernels keep it in
     float32.)"""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window, softcap=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window, softcap=None,
+                sinks=None):
         # Write every new token first: requests in this batch may read blocks others write now.
         k = kv_format.write(k_cache, meta.slot_mapping, k)
         v = kv_format.write(v_cache, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
         for r in range(nd, meta.num_reqs):
             s, e = meta.query_start_loc[r], meta.query_start_loc[r + 1]
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[r],
-                                     meta.seq_lens[r], meta.block_size, scale, sliding_window, softcap)
+                                     meta.seq_lens[r], meta.block_size, scale, sliding_window, softcap, sinks)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta, scale, window, softcap=None):
+    def _decode(q, k_cache, v_cache, meta, scale, window, softcap=None, sinks=None):
         kernels = cpu_kernels.load() if q.device.type == "cpu" else None
         if kernels is not None and q.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.head_dim_ok(q.shape[-1]):
             kd, vd, ks, vs = kv_format.kernel_args(k_cache, v_cache)
             return kernels.paged_decode_attention(q, kd, vd, meta.decode_block_tables, meta.decode_seq_lens,
-                                                  meta.block_size, scale, window or 0, ks, vs, softcap=softcap or 0.0)
+                                                  meta.block_size, scale, window or 0, ks, vs, softcap=softcap or 0.0,
+                                                  sinks=None if sinks is None else sinks.detach().float())
         # Portable path: gather each request's keys and values, then two batched matmuls.
         # Built once per step and reused by every layer; the mask once per distinct window.
         bt, bs = meta.decode_block_tables, meta.block_size
@@ -64,14 +66,17 @@ class TorchSDPABackend(AttentionBackend):
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(meta.cache[mask_key], float("-inf"))
-        probs = scores.softmax(dim=-1).to(values.dtype)
+        if sinks is not None:
+            scores = _with_sinks(scores, sinks.view(1, kvh, h // kvh, 1))
+        probs = scores.softmax(dim=-1)
+        probs = (probs if sinks is None else probs[..., :-1]).to(values.dtype)
         return torch.matmul(probs, values.transpose(1, 2)).reshape(b, h, d)
 
     @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, block_table, seq_len, bs, scale, window, softcap=None):
+    def _prefill(q, k, v, k_cache, v_cache, block_table, seq_len, bs, scale, window, softcap=None, sinks=None):
         n = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if seq_len == n and (window is None or n <= window) and softcap is None:
+        if seq_len == n and (window is None or n <= window) and softcap is None and sinks is None:
             # No earlier context: attend over this chunk's own K/V, causal.
             o = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                                is_causal=True, scale=scale, enable_gqa=True)
@@ -84,19 +89,30 @@ class TorchSDPABackend(AttentionBackend):
         mask = pos.unsqueeze(0) <= qpos
         if window is not None:
             mask &= pos.unsqueeze(0) > qpos - window
-        if softcap is not None:
-            o = _softcapped_attention(qh, keys, values, mask, scale, softcap)
+        if softcap is not None or sinks is not None:
+            o = _eager_attention(qh, keys, values, mask, scale, softcap, sinks)
         else:
             o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
 
-def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
-    """Attention whose logits are soft-capped, cap * tanh(logits / cap), which SDPA cannot do: q [1, H, n, D];
-    k, v [1, KVH, L, D]; mask [n, L], True where a query attends. In the order of the reference's eager
-    attention: scaled logits and their cap in the model dtype, the softmax in float32."""
+def _eager_attention(q, k, v, mask, scale: float, cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention that SDPA cannot do: logits soft-capped, cap * tanh(logits / cap) (Gemma), or a sink logit
+    per head in the softmax's denominator (gpt-oss). q [1, H, n, D]; k, v [1, KVH, L, D]; mask [n, L], True
+    where a query attends. In the order of the references' eager attention: scaled logits and their cap in
+    the model dtype, the softmax in float32."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = _with_sinks(scores, sinks.view(1, -1, 1, 1))
+    probs = scores.softmax(dim=-1, dtype=torch.float32)
+    return torch.matmul((probs if sinks is None else probs[..., :-1]).to(q.dtype), v)
+
+
+def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """scores [..., L] with one more logit, each head's sink (sinks broadcast to scores[..., :1])."""
+    return torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)

@@ -5,6 +5,7 @@ Megatron's split, as vLLM makes it:
   rows, each expert's gate and up likewise;
 - row-parallel (each rank a slice of the input columns, partial sums added over the ranks): o and down,
   each expert's down; their bias stays on rank 0 only, so the sum holds it once;
+- attention sinks (gpt-oss) by query heads, as q;
 - vocab-parallel: the embedding and the output layer, rows cut in slices of ceil(vocab / world);
 - everything else (norms, the router, q/k norms) whole on every rank.
 
@@ -164,11 +165,17 @@ class Shard:
             rows = shape[0]
             stacked = expert.group(2) is None
             each = self._part("i", expert=True)
+            if bias:  # [rows] or [E, rows] (gpt-oss): the rows are the last dimension
+                return Cut(None, zero=self.rank > 0) if part == "down_proj" else Cut(None, each)
             if part == "down_proj":
                 return Cut(None, each)
             per = self.expert_intermediate
             experts = rows // per if stacked else 1
             return Cut(tuple((e * per + each[0], e * per + each[1]) for e in range(experts)))
+        if parts[-1] == "sinks":  # [heads]
+            g0, g1 = self._heads()
+            group = self.num_heads // self.num_kv_heads
+            return Cut(((g0 * group, g1 * group),))
         if module in _VOCAB and not _LAYER.search(name):
             return Cut((self.vocab_range,))
         if module in _COLUMN:

@@ -734,14 +734,15 @@ struct AttentionPlan {
     });
   }
 
-  // out[j] for query head j = b * H + h, from its parts.
+  // out[j] for query head j = b * H + h, from its parts. sinks (or nullptr): a logit per query head that
+  // joins the softmax's denominator and takes its share of the probability to no value (gpt-oss).
   template <typename T>
-  void merge(int64_t j, T* out, float* o) const {
+  void merge(int64_t j, T* out, float* o, const float* sinks = nullptr) const {
     const int64_t b = j / H, h = j % H, kg = (h / G) / heads_per_group, hh = h - kg * per_part;
     const int64_t n = chunks[b], p0 = first[b] + kg * n;
-    float M = -INFINITY;
+    float M = sinks ? sinks[h] : -INFINITY;
     for (int64_t c = 0; c < n; ++c) M = std::max(M, m[(p0 + c) * per_part + hh]);
-    float denom = 0.f;
+    float denom = sinks ? std::exp(sinks[h] - M) : 0.f;
     std::fill(o, o + D, 0.f);
     for (int64_t c = 0; c < n; ++c) {
       const int64_t k = (p0 + c) * per_part + hh;
@@ -771,7 +772,7 @@ void set_plan_threads(int64_t n) { g_plan_threads.store(std::max<int64_t>(0, n))
 template <typename T>
 void decode_attention(const T* q, const KVLayer& kv, const int64_t* bt, const int64_t* lens, T* out, int64_t B,
                       int64_t H, int64_t KVH, int64_t D, int64_t nb, int64_t bs, float scale, int64_t window,
-                      float softcap) {
+                      float softcap, const float* sinks) {
   AttentionPlan plan(bt, lens, B, H, KVH, D, nb, bs, scale, window, plan_threads(), softcap);
   at::parallel_for(0, plan.parts, 1, [&](int64_t i0, int64_t i1) {
     AttentionPlan::Scratch s;
@@ -779,7 +780,7 @@ void decode_attention(const T* q, const KVLayer& kv, const int64_t* bt, const in
   });
   at::parallel_for(0, B * H, 16, [&](int64_t j0, int64_t j1) {
     std::vector<float> o(D);
-    for (int64_t j = j0; j < j1; ++j) plan.merge<T>(j, out, o.data());
+    for (int64_t j = j0; j < j1; ++j) plan.merge<T>(j, out, o.data(), sinks);
   });
 }
 
@@ -787,10 +788,11 @@ void decode_attention(const T* q, const KVLayer& kv, const int64_t* bt, const in
 
 // y = w * round(x / rms(x)) over rows of length n (a multiple of 16), as the eager model computes it:
 // the normalisation in float32, rounded to the activation type, then scaled by the weight and rounded again.
-// With an offset (Gemma's 1): y = round(x / rms(x) * (offset + w)), the scale applied in float32 as its
-// reference applies it. y may be x.
+// With an offset (Gemma's 1), or in_float (gpt-oss): y = round(x / rms(x) * (offset + w)), the scale applied
+// in float32 as its reference applies it. y may be x.
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps, float offset = 0.f) {
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps, float offset = 0.f,
+                   bool in_float = false) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * n;
     __m512 ss = _mm512_setzero_ps();
@@ -799,7 +801,7 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float 
       ss = _mm512_fmadd_ps(v, v, ss);
     }
     const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + eps));
-    if (offset != 0.f) {
+    if (offset != 0.f || in_float) {
       const __m512 off = _mm512_set1_ps(offset);
       for (int64_t i = 0; i < n; i += 16)
         store16(y + r * n + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv), _mm512_add_ps(off, load16(w + i))));
@@ -840,12 +842,33 @@ void gelu_tanh_mul(const T* gate, const T* up, T* out, int64_t n) {
   }
 }
 
-// The gated MLP's activation (description.py's `activation`).
-enum class Activation : int { kSilu = 0, kGeluTanh = 1 };
+// gpt-oss's clamped SwiGLU over n values (a multiple of 16): g = min(gate, limit), u = clamp(up, -limit,
+// limit), out = (u + 1) * g * sigmoid(alpha g), rounded after each operation as the eager model rounds.
+template <typename T>
+void clamped_swiglu_mul(const T* gate, const T* up, T* out, int64_t n, float alpha, float limit) {
+  const __m512 one = _mm512_set1_ps(1.f), a = _mm512_set1_ps(alpha), hi = _mm512_set1_ps(limit),
+               lo = _mm512_set1_ps(-limit);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 g = _mm512_min_ps(load16(gate + i), hi), u = _mm512_max_ps(_mm512_min_ps(load16(up + i), hi), lo);
+    const __m512 ga = round16<T>(_mm512_mul_ps(g, a));
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), ga));
+    const __m512 sig = round16<T>(_mm512_div_ps(one, _mm512_add_ps(one, e)));
+    const __m512 glu = round16<T>(_mm512_mul_ps(g, sig));
+    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_add_ps(u, one)), glu));
+  }
+}
+
+// The gated MLP's activation (description.py's `activation`), with the clamped SwiGLU's alpha and limit.
+enum class Activation : int { kSilu = 0, kGeluTanh = 1, kClampedSwiglu = 2 };
+struct GateAct {
+  Activation kind;
+  float alpha, limit;
+};
 
 template <typename T>
-inline void gate_mul(Activation a, const T* gate, const T* up, T* out, int64_t n) {
-  if (a == Activation::kGeluTanh) gelu_tanh_mul(gate, up, out, n);
+inline void gate_mul(const GateAct& a, const T* gate, const T* up, T* out, int64_t n) {
+  if (a.kind == Activation::kGeluTanh) gelu_tanh_mul(gate, up, out, n);
+  else if (a.kind == Activation::kClampedSwiglu) clamped_swiglu_mul(gate, up, out, n, a.alpha, a.limit);
   else silu_mul(gate, up, out, n);
 }
 
@@ -1245,6 +1268,10 @@ struct MoEWeights {
   int64_t I = 0, top_k = 0;
   bool renormalize = false;       // the top k weights rescaled to sum to 1
   bool weights_in_float = false;  // the weights scale the experts' outputs in float32, else rounded to T first
+  bool softmax_after_topk = false;  // gpt-oss: the top k logits, then a softmax over those k alone
+  // gpt-oss's biases (undefined where none): the router's [experts], the experts' [experts, 2I] and
+  // [experts, hidden], in the activations' type.
+  torch::Tensor router_bias, gate_up_bias, down_bias;
   Matrix shared_gate_up, shared_down, shared_gate;  // shared_gate.N == 0: no shared expert
   int64_t shared_I = 0;
   bool quantized_input = false;  // a matrix that reads the normed input is in a block format
@@ -1265,7 +1292,8 @@ struct Routing {
   int64_t pairs() const { return (int64_t)token.size(); }
 
   // logits [B, experts] (the router's output, in T): a float32 softmax over each row, its top k (the first
-  // index of equal values first), renormalised where asked.
+  // index of equal values first), renormalised where asked; or (softmax_after_topk) the top k logits, then
+  // a float32 softmax over them.
   template <typename T>
   void route(const MoEWeights& M, const T* logits, int64_t B) {
     const int64_t E = M.experts(), k = M.top_k;
@@ -1273,9 +1301,13 @@ struct Routing {
     std::vector<float> picked(B * k);
     for (int64_t b = 0; b < B; ++b) {
       float top = -INFINITY, sum = 0.f;
-      for (int64_t e = 0; e < E; ++e) top = std::max(top, to_float(logits[b * E + e]));
-      for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(to_float(logits[b * E + e]) - top);
-      for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+      if (M.softmax_after_topk) {  // choose by the logits; picked then holds exp(logit - top) until normalised
+        for (int64_t e = 0; e < E; ++e) probs[e] = to_float(logits[b * E + e]);
+      } else {
+        for (int64_t e = 0; e < E; ++e) top = std::max(top, to_float(logits[b * E + e]));
+        for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(to_float(logits[b * E + e]) - top);
+        for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+      }
       float total = 0.f;
       taken.assign(E, 0);
       for (int64_t j = 0; j < k; ++j) {
@@ -1287,8 +1319,14 @@ struct Routing {
         taken[best] = 1;
         total += picked[b * k + j] = probs[best];
       }
+      if (M.softmax_after_topk) {  // the first pick is the largest logit
+        total = 0.f;
+        for (int64_t j = 0; j < k; ++j)
+          total += picked[b * k + j] = std::exp(probs[chosen[b * k + j]] - probs[chosen[b * k]]);
+        for (int64_t j = 0; j < k; ++j) picked[b * k + j] /= total;
+      }
       for (int64_t j = 0; j < k; ++j) {
-        float w = M.renormalize ? picked[b * k + j] / total : picked[b * k + j];
+        float w = M.renormalize && !M.softmax_after_topk ? picked[b * k + j] / total : picked[b * k + j];
         picked[b * k + j] = M.weights_in_float ? w : rounded<T>(w);
       }
       for (int64_t j = 0; j < k; ++j) ++start[chosen[b * k + j] + 1];
@@ -1340,6 +1378,9 @@ struct LayerWeights {
   c10::optional<torch::Tensor> attn_out_norm, ffn_out_norm;
   int64_t rope;  // the index of the layer's rotary table
   std::shared_ptr<MoEWeights> moe = nullptr;  // a mixture of experts in place of gate_up and down
+  torch::Tensor sinks;  // gpt-oss: a float32 logit per query head in each softmax's denominator (or undefined)
+
+  const float* sink_data() const { return sinks.defined() ? sinks.data_ptr<float>() : nullptr; }
 
   KVLayer kv() const {
     auto scales = [](const torch::Tensor& t) {
@@ -1414,13 +1455,15 @@ class FusedDecoder {
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                double scale, int64_t block_size, torch::Tensor final_norm, const PartList& embed,
                const PartList& head, torch::Tensor cos, torch::Tensor sin, double norm_offset, int64_t activation,
-               double embed_scale, double attn_softcap, double final_softcap)
+               double embed_scale, double attn_softcap, double final_softcap, bool norm_in_float, double glu_alpha,
+               double glu_limit)
       : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps),
         scale_((float)scale), bs_(block_size), final_norm_(final_norm.contiguous()),
-        norm_offset_((float)norm_offset),
-        activation_(static_cast<Activation>(activation)), embed_scale_((float)embed_scale),
+        norm_offset_((float)norm_offset), norm_in_float_(norm_in_float),
+        act_{static_cast<Activation>(activation), (float)glu_alpha, (float)glu_limit}, embed_scale_((float)embed_scale),
         attn_softcap_((float)attn_softcap), final_softcap_((float)final_softcap) {
-    TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 (silu) or 1 (gelu_tanh)");
+    TORCH_CHECK(activation >= 0 && activation <= 2, "activation: 0 (silu), 1 (gelu_tanh) or 2 (clamped_swiglu)");
+    TORCH_CHECK(activation != 2 || glu_limit > 0, "the clamped SwiGLU needs a positive limit");
     TORCH_CHECK(attn_softcap >= 0 && final_softcap >= 0, "softcaps: 0 (none) or positive");
     TORCH_CHECK(head_dim_ok(D_), kHeadDims);
     TORCH_CHECK(H_ % KVH_ == 0, "heads must be a multiple of KV heads");
@@ -1453,7 +1496,8 @@ class FusedDecoder {
                  c10::optional<torch::Tensor> gate_up_bias, const PartList& down,
                  c10::optional<torch::Tensor> down_bias, torch::Tensor k_cache, torch::Tensor v_cache,
                  int64_t window, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                 c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> ffn_out_norm, int64_t rope) {
+                 c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> ffn_out_norm, int64_t rope,
+                 c10::optional<torch::Tensor> sinks) {
     const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
     for (const auto* t : {&input_norm, &post_norm})
       TORCH_CHECK(t->scalar_type() == kDtype && t->is_contiguous(), "norms: contiguous, in the decoder's dtype");
@@ -1477,6 +1521,10 @@ class FusedDecoder {
     TORCH_CHECK(L.o.N == hidden_ && (sparse || (L.gate_up.N == 2 * I_ && L.down.N == hidden_)),
                 "layer shapes do not match the decoder's sizes");
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+    if (opt(sinks)) {
+      L.sinks = sinks->to(torch::kFloat).contiguous();
+      TORCH_CHECK(L.sinks.dim() == 1 && L.sinks.size(0) == H_, "sinks: one value per query head");
+    }
     cache_slots_ = layers_.empty() ? k_cache.size(0) : std::min(cache_slots_, k_cache.size(0));
     layers_.push_back(std::move(L));
     streams_.clear();
@@ -1490,7 +1538,8 @@ class FusedDecoder {
   void set_experts(const PartList& router, const std::vector<PartList>& gate_up, const std::vector<PartList>& down,
                    int64_t intermediate, int64_t top_k, bool renormalize, bool weights_in_float,
                    const PartList& shared_gate_up, const PartList& shared_down, const PartList& shared_gate,
-                   int64_t shared_intermediate) {
+                   int64_t shared_intermediate, bool softmax_after_topk, c10::optional<torch::Tensor> router_bias,
+                   c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias) {
     TORCH_CHECK(!layers_.empty() && layers_.back().gate_up.N == 0 && !layers_.back().moe,
                 "set_experts follows an add_layer given no gate_up and down");
     LayerWeights<T>& L = layers_.back();
@@ -1510,7 +1559,17 @@ class FusedDecoder {
                   "match [2 * intermediate, hidden] and [hidden, intermediate]");
     }
     moe->I = intermediate, moe->top_k = top_k, moe->renormalize = renormalize;
-    moe->weights_in_float = weights_in_float;
+    moe->weights_in_float = weights_in_float, moe->softmax_after_topk = softmax_after_topk;
+    auto bias = [&](const c10::optional<torch::Tensor>& t, std::vector<int64_t> shape, const char* what) {
+      if (!opt(t)) return torch::Tensor();
+      TORCH_CHECK(t->scalar_type() == kDtype && t->sizes() == c10::IntArrayRef(shape), what,
+                  ": the expected shape, in the decoder's dtype");
+      return t->contiguous();
+    };
+    moe->router_bias = bias(router_bias, {E}, "router_bias");
+    moe->gate_up_bias = bias(gate_up_bias, {E, 2 * intermediate}, "gate_up_bias");
+    moe->down_bias = bias(down_bias, {E, hidden_}, "down_bias");
+    TORCH_CHECK(moe->gate_up_bias.defined() == moe->down_bias.defined(), "gate_up_bias and down_bias go together");
     TORCH_CHECK(shared_gate_up.empty() == shared_down.empty() && shared_down.empty() == shared_gate.empty(),
                 "shared_gate_up, shared_down and shared_gate: all three, or none");
     if (!shared_gate.empty()) {
@@ -1904,8 +1963,8 @@ class FusedDecoder {
     T* kb = row + QS;
     const T* vb = row + QS + KVS;
     if (L.q_norm) {
-      rms_norm_rows(qb, data(*L.q_norm), qb, H_, D_, eps_, norm_offset_);
-      rms_norm_rows(kb, data(*L.k_norm), kb, KVH_, D_, eps_, norm_offset_);
+      rms_norm_rows(qb, data(*L.q_norm), qb, H_, D_, eps_, norm_offset_, norm_in_float_);
+      rms_norm_rows(kb, data(*L.k_norm), kb, KVH_, D_, eps_, norm_offset_, norm_in_float_);
     }
     const T* cb = s.cos + (L.rope * s.B + b) * R_;
     const T* sb = s.sin + (L.rope * s.B + b) * R_;
@@ -1984,7 +2043,7 @@ class FusedDecoder {
       const LayerWeights<T>& L = layers_[li];
       AttentionPlan& plan = plans[li];
       const KVLayer kv = L.kv();
-      rms_norm_rows(xp, data(L.input_norm), h, B, hidden, eps_, norm_offset_);
+      rms_norm_rows(xp, data(L.input_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
       input(L.qkv, h);
       matrix_rows(L.qkv, h, ts.xq, B, r0, r1, data(L.qkv_bias), qkv, false, walks);
       for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<Attn>(i, kv);
@@ -1993,7 +2052,7 @@ class FusedDecoder {
       barrier.wait(n);
       for (int64_t i = w; i < plan.parts; i += n) plan.run_part<Attn>(i, qh, kv, ts.scratch);
       barrier.wait(n);
-      for (int64_t j = j0; j < j1; ++j) plan.merge<Attn>(j, attn_h, ts.merged.data());
+      for (int64_t j = j0; j < j1; ++j) plan.merge<Attn>(j, attn_h, ts.merged.data(), L.sink_data());
       barrier.wait(n);
       input(L.o, buf.attn.data());
       if (L.attn_out_norm || group_) {  // the whole output row first (summed over the shards), then it joins the residual
@@ -2005,7 +2064,7 @@ class FusedDecoder {
         matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), xp, true, walks);
       }
       barrier.wait(n);
-      rms_norm_rows(xp, data(L.post_norm), h, B, hidden, eps_, norm_offset_);
+      rms_norm_rows(xp, data(L.post_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
       if (L.moe) {
         team_experts(*L.moe, B, h, xp, w, n, barrier, buf, ts);
         barrier.wait(n);
@@ -2035,7 +2094,7 @@ class FusedDecoder {
     matrix_rows(W, x, xq, M, i0, i1, bias, gu, false, walks);
     matrix_rows(W, x, xq, M, I + i0, I + i1, bias, gu, false, walks);
     for (int64_t m = 0; m < M; ++m)
-      gate_mul(activation_, gu + m * 2 * I + i0, gu + m * 2 * I + I + i0, act + m * I + i0, i1 - i0);
+      gate_mul(act_, gu + m * 2 * I + i0, gu + m * 2 * I + I + i0, act + m * I + i0, i1 - i0);
   }
 
   // Thread w of n's part of a mixture-of-experts feed-forward of h [B, hidden] (the thread's copy of the
@@ -2057,7 +2116,7 @@ class FusedDecoder {
     ts.router.resize(B * E), ts.gate.resize(B);
     {
       Walks walks(segs, B, false);
-      matrix_rows(M.router, h, ts.xq, B, 0, E, static_cast<const T*>(nullptr), ts.router.data(), false, walks);
+      matrix_rows(M.router, h, ts.xq, B, 0, E, bias_of(M.router_bias), ts.router.data(), false, walks);
       if (M.shared())
         matrix_rows(M.shared_gate, h, ts.xq, B, 0, 1, static_cast<const T*>(nullptr), ts.gate.data(), false, walks);
     }
@@ -2082,8 +2141,8 @@ class FusedDecoder {
       for (int64_t e = 0; e < E; ++e) {
         if (!active(e)) continue;
         const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
-        gated_rows(M.gate_up[e], ts.gathered.data() + p0 * H, ts.pair_rows.data() + p0, m, I, i0, i1, nullptr,
-                   gu + p0 * 2 * I, act + p0 * I, walks);
+        gated_rows(M.gate_up[e], ts.gathered.data() + p0 * H, ts.pair_rows.data() + p0, m, I, i0, i1,
+                   bias_of(M.gate_up_bias, e), gu + p0 * 2 * I, act + p0 * I, walks);
       }
       if (M.shared())
         gated_rows(M.shared_gate_up, h, ts.xq.rows.data(), B, SI, s0, s1, nullptr, buf.shared_gu.data(),
@@ -2103,7 +2162,7 @@ class FusedDecoder {
       for (int64_t e = 0; e < E; ++e) {
         if (!active(e)) continue;
         const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
-        matrix_rows(M.down[e], act + p0 * I, ts.xq.rows.data() + p0, m, o0, o1, static_cast<const T*>(nullptr),
+        matrix_rows(M.down[e], act + p0 * I, ts.xq.rows.data() + p0, m, o0, o1, bias_of(M.down_bias, e),
                     out + p0 * H, false, walks);
       }
       if (M.shared()) {
@@ -2130,7 +2189,7 @@ class FusedDecoder {
   std::pair<int64_t, int64_t> team_logits(const T* x, int64_t B, int w, int n, TeamBuffers& buf, T* logits,
                                           Walks& walks, ThreadState& ts) {
     T* h = buf.normed.data() + w * B * hidden_;
-    rms_norm_rows(x, data(final_norm_), h, B, hidden_, eps_, norm_offset_);
+    rms_norm_rows(x, data(final_norm_), h, B, hidden_, eps_, norm_offset_, norm_in_float_);
     if (head_.quantized) ts.xq.set(h, B, hidden_);
     const auto [v0, v1] = share(head_.N, w, n);
     matrix_rows(head_, h, ts.xq, B, v0, v1, static_cast<const T*>(nullptr), logits, false, walks);
@@ -2246,29 +2305,31 @@ class FusedDecoder {
     auto act = torch::empty({B, I_}, x.options());
     T* xp = data_mut(x);
     for (auto& L : layers_) {
-      rms_norm_rows(xp, data(L.input_norm), data_mut(h), B, hidden, eps_, norm_offset_);
+      rms_norm_rows(xp, data(L.input_norm), data_mut(h), B, hidden, eps_, norm_offset_, norm_in_float_);
       auto qkv = matrix_product<T>(L.qkv, h, L.qkv_bias);
       for (int64_t b = 0; b < B; ++b) place_token(L, s, b, data_mut(qkv) + b * (QS + 2 * KVS), data_mut(q));
       decode_attention<Attn>(attn_ptr(data(q)), L.kv(), s.bt, s.lens, attn_ptr(data_mut(attn)),
-                             B, H_, KVH_, D_, s.nb, bs_, scale_, L.window, attn_softcap_);
+                             B, H_, KVH_, D_, s.nb, bs_, scale_, L.window, attn_softcap_, L.sink_data());
       auto o = matrix_product<T>(L.o, attn, L.o_bias);
       if (group_) group_->all_reduce(data_mut(o), B * hidden);
-      if (L.attn_out_norm) rms_norm_rows(data(o), data(*L.attn_out_norm), data_mut(o), B, hidden, eps_, norm_offset_);
+      if (L.attn_out_norm)
+        rms_norm_rows(data(o), data(*L.attn_out_norm), data_mut(o), B, hidden, eps_, norm_offset_, norm_in_float_);
       add_into(xp, data(o), B * hidden);
-      rms_norm_rows(xp, data(L.post_norm), data_mut(h), B, hidden, eps_, norm_offset_);
+      rms_norm_rows(xp, data(L.post_norm), data_mut(h), B, hidden, eps_, norm_offset_, norm_in_float_);
       if (L.moe) {
         experts_batched(*L.moe, h, xp, B);
         continue;
       }
       auto gu = matrix_product<T>(L.gate_up, h, L.gate_up_bias);
       for (int64_t b = 0; b < B; ++b)
-        gate_mul(activation_, data(gu) + b * 2 * I_, data(gu) + b * 2 * I_ + I_, data_mut(act) + b * I_, I_);
+        gate_mul(act_, data(gu) + b * 2 * I_, data(gu) + b * 2 * I_ + I_, data_mut(act) + b * I_, I_);
       auto d = matrix_product<T>(L.down, act, L.down_bias);
       if (group_) group_->all_reduce(data_mut(d), B * hidden);
-      if (L.ffn_out_norm) rms_norm_rows(data(d), data(*L.ffn_out_norm), data_mut(d), B, hidden, eps_, norm_offset_);
+      if (L.ffn_out_norm)
+        rms_norm_rows(data(d), data(*L.ffn_out_norm), data_mut(d), B, hidden, eps_, norm_offset_, norm_in_float_);
       add_into(xp, data(d), B * hidden);
     }
-    rms_norm_rows(xp, data(final_norm_), data_mut(out), B, hidden, eps_, norm_offset_);
+    rms_norm_rows(xp, data(final_norm_), data_mut(out), B, hidden, eps_, norm_offset_, norm_in_float_);
   }
 
   // A mixture-of-experts feed-forward of h [B, hidden] into the residual stream xp, for a batch too large
@@ -2277,22 +2338,25 @@ class FusedDecoder {
   void experts_batched(const MoEWeights& M, const torch::Tensor& h, T* xp, int64_t B) {
     const int64_t H = hidden_;
     Routing r;
-    const auto logits = product(M.router, h);
+    const auto logits = product(M.router, h, row_of(M.router_bias));
     r.route<T>(M, data(logits), B);
     // down(act(gate(x)) * up(x)) of one expert, gate_up [2I, hidden] holding its gate rows, then its up rows.
-    auto mlp = [&](const Matrix& gate_up, const Matrix& down, const torch::Tensor& x, int64_t I) {
-      const auto gu = product(gate_up, x);
+    auto mlp = [&](const Matrix& gate_up, const Matrix& down, const torch::Tensor& x, int64_t I,
+                   c10::optional<torch::Tensor> gate_up_bias = c10::nullopt,
+                   c10::optional<torch::Tensor> down_bias = c10::nullopt) {
+      const auto gu = product(gate_up, x, gate_up_bias);
       auto act = torch::empty({x.size(0), I}, x.options());
       for (int64_t i = 0; i < x.size(0); ++i)
-        gate_mul(activation_, data(gu) + i * 2 * I, data(gu) + i * 2 * I + I, data_mut(act) + i * I, I);
-      return product(down, act);
+        gate_mul(act_, data(gu) + i * 2 * I, data(gu) + i * 2 * I + I, data_mut(act) + i * I, I);
+      return product(down, act, down_bias);
     };
     auto out = torch::empty({r.pairs(), H}, h.options());
     for (int64_t e = 0; e < M.experts(); ++e) {
       const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
       if (!m) continue;
       const auto tokens = torch::from_blob(r.token.data() + p0, {m}, torch::kLong);
-      out.narrow(0, p0, m).copy_(mlp(M.gate_up[e], M.down[e], h.index_select(0, tokens), M.I));
+      out.narrow(0, p0, m).copy_(mlp(M.gate_up[e], M.down[e], h.index_select(0, tokens), M.I,
+                                     row_of(M.gate_up_bias, e), row_of(M.down_bias, e)));
     }
     torch::Tensor shared, gate;
     if (M.shared()) {
@@ -2306,17 +2370,27 @@ class FusedDecoder {
 
   // x W^T as a separate linear layer computes it: a dense bfloat16 matrix through linear_bf16 (the GEMV
   // kernel for a few rows, as kernels/cpu.py's linear), anything else through matrix_product.
-  static torch::Tensor product(const Matrix& W, const torch::Tensor& x) {
+  static torch::Tensor product(const Matrix& W, const torch::Tensor& x,
+                               const c10::optional<torch::Tensor>& bias = c10::nullopt) {
     if (!kIsFloat<T> && W.parts.size() == 1 && W.parts[0].dense())
-      return linear_bf16(x.contiguous(), W.tensors[0], c10::nullopt);
-    return matrix_product<T>(W, x, c10::nullopt);
+      return linear_bf16(x.contiguous(), W.tensors[0], bias);
+    return matrix_product<T>(W, x, bias);
+  }
+
+  // Row e of a stacked bias (the whole tensor where e < 0), as a pointer or a tensor; none where undefined.
+  static const T* bias_of(const torch::Tensor& t, int64_t e = -1) {
+    return t.defined() ? data(t) + (e < 0 ? 0 : e * t.size(1)) : nullptr;
+  }
+  static c10::optional<torch::Tensor> row_of(const torch::Tensor& t, int64_t e = -1) {
+    if (!t.defined()) return c10::nullopt;
+    return e < 0 ? t : t[e];
   }
 
   // Request b's row of `branch` (an attention or MLP output) normed in place by `norm` where there is one,
   // then added to its residual row.
   void into_residual(T* branch, const c10::optional<torch::Tensor>& norm, T* xp, int64_t b) const {
     T* row = branch + b * hidden_;
-    if (norm) rms_norm_rows(row, data(*norm), row, 1, hidden_, eps_, norm_offset_);
+    if (norm) rms_norm_rows(row, data(*norm), row, 1, hidden_, eps_, norm_offset_, norm_in_float_);
     add_into(xp + b * hidden_, row, hidden_);
   }
 
@@ -2341,7 +2415,8 @@ class FusedDecoder {
   int64_t R_;  // rotary_dim: the leading dims of each head that rotate
   int64_t positions() const { return cos_[0].size(0); }
   float norm_offset_;
-  Activation activation_;
+  bool norm_in_float_;
+  GateAct act_;
   float embed_scale_, attn_softcap_, final_softcap_;
   Matrix embed_, head_;
   std::vector<LayerWeights<T>> layers_;
@@ -2363,7 +2438,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
                                      double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale, double softcap) {
+                                     c10::optional<torch::Tensor> v_scale, double softcap,
+                                     c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
   const KVCode code = kv_code(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
@@ -2384,12 +2460,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     return code == KVCode::kPlain ? nullptr : reinterpret_cast<const uint16_t*>(t->data_ptr());
   };
   const KVLayer kv{{k_cache.data_ptr(), scales(k_scale)}, {v_cache.data_ptr(), scales(v_scale)}, code};
+  torch::Tensor sink;
+  if (sinks) {
+    sink = sinks->to(torch::kFloat).contiguous();
+    TORCH_CHECK(sink.dim() == 1 && sink.size(0) == H, "sinks: one float per query head");
+  }
+  const float* sink_data = sinks ? sink.data_ptr<float>() : nullptr;
   if (q.scalar_type() == torch::kFloat) {
     decode_attention<float>(q.data_ptr<float>(), kv, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                            out.data_ptr<float>(), B, H, KVH, D, nb, block_size, (float)scale, window, (float)softcap);
+                            out.data_ptr<float>(), B, H, KVH, D, nb, block_size, (float)scale, window, (float)softcap,
+                            sink_data);
   } else {
     decode_attention<bf16>(q.data_ptr<bf16>(), kv, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                           out.data_ptr<bf16>(), B, H, KVH, D, nb, block_size, (float)scale, window, (float)softcap);
+                           out.data_ptr<bf16>(), B, H, KVH, D, nb, block_size, (float)scale, window, (float)softcap,
+                           sink_data);
   }
   return out;
 }
@@ -2432,21 +2516,26 @@ void bind_decoder(pybind11::module& m, const char* name) {
   using D = FusedDecoder<T>;
   py::class_<D>(m, name)
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, const PartList&,
-                    const PartList&, torch::Tensor, torch::Tensor, double, int64_t, double, double, double>(),
+                    const PartList&, torch::Tensor, torch::Tensor, double, int64_t, double, double, double, bool,
+                    double, double>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
            py::arg("scale"), py::arg("block_size"), py::arg("final_norm"), py::arg("embed"), py::arg("head"),
            py::arg("cos"), py::arg("sin"), py::arg("norm_offset") = 0.0, py::arg("activation") = 0,
-           py::arg("embed_scale") = 1.0, py::arg("attn_softcap") = 0.0, py::arg("final_softcap") = 0.0)
+           py::arg("embed_scale") = 1.0, py::arg("attn_softcap") = 0.0, py::arg("final_softcap") = 0.0,
+           py::arg("norm_in_float") = false, py::arg("glu_alpha") = 1.0, py::arg("glu_limit") = 0.0)
       .def("add_layer", &D::add_layer, py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("o"), py::arg("o_bias"), py::arg("post_norm"), py::arg("gate_up"),
            py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("window"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-           py::arg("attn_out_norm") = py::none(), py::arg("ffn_out_norm") = py::none(), py::arg("rope") = 0)
+           py::arg("attn_out_norm") = py::none(), py::arg("ffn_out_norm") = py::none(), py::arg("rope") = 0,
+           py::arg("sinks") = py::none())
       .def("add_rope", &D::add_rope, py::arg("cos"), py::arg("sin"))
       .def("set_experts", &D::set_experts, py::arg("router"), py::arg("gate_up"), py::arg("down"),
            py::arg("intermediate"), py::arg("top_k"), py::arg("renormalize"), py::arg("weights_in_float"),
            py::arg("shared_gate_up") = PartList(), py::arg("shared_down") = PartList(),
-           py::arg("shared_gate") = PartList(), py::arg("shared_intermediate") = 0)
+           py::arg("shared_gate") = PartList(), py::arg("shared_intermediate") = 0,
+           py::arg("softmax_after_topk") = false, py::arg("router_bias") = py::none(),
+           py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none())
       .def("forward", &D::forward, release())
       .def("decode_greedy", &D::decode_greedy, release())
       .def("logits", &D::logits, release())
@@ -2466,7 +2555,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_gemv_rows") = py::int_(kMaxGemvRows);
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0, release());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), release());
   m.def("quantize_kv", &quantize_kv, release());
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_plan_threads", &set_plan_threads);

@@ -1,6 +1,6 @@
 """A decoder-only architecture described as data: sizes, and the switches in which the supported families
 differ (norm kind, activation, extra norms, rope and window per layer, partial rotary, softcaps, embedding
-scale, mixture-of-experts routing).
+scale, attention sinks, mixture-of-experts routing).
 
 The module-by-module decoder (llama.py) and the fused CPU decode step (kernels/cpu_kernels.cpp) both read
 this one description, so a new family is a new way of filling it in, not a new decoder.
@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from tokenmill.model.rotary import rope_type_of
 
-ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU, GeGLU (tanh-approximated GELU)
+# The gate's activation: SwiGLU, GeGLU (tanh-approximated GELU), and gpt-oss's clamped SwiGLU (glu_alpha,
+# glu_limit: gate clamped above, up on both sides, (up + 1) * gate * sigmoid(alpha * gate)).
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 @dataclass(slots=True)
@@ -39,6 +41,11 @@ class MoESpec:
     sparse_layers: list[bool]
     shared_intermediate_size: int = 0  # Qwen2-MoE: one shared expert on every token, gated by sigmoid(x . w)
     weights_in_float: bool = False  # the routing weights scale the experts' outputs in float32 (Mixtral)
+    # gpt-oss: the router has a bias; each token's top k router logits, then a softmax over those k alone
+    # (in the logits' dtype); every expert's projections have biases.
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -97,6 +104,14 @@ class DecoderConfig:
     layer_ropes: list[int] = field(default_factory=list)  # per layer: its index in ropes; [] : all 0
     rotary_dim: int | None = None  # the leading dims of each head that rotate (partial rotary); None: head_dim
     moe: MoESpec | None = None  # the feed-forward as a mixture of experts (its sparse layers); None: dense
+    # gpt-oss: a learned logit per query head that joins each softmax's denominator (an "attention sink":
+    # probability mass that goes to no token).
+    attn_sinks: bool = False
+    # With norm_offset 0: the weight scales the float32 normalised value, rounded once (gpt-oss), instead of
+    # the rounded value in the model dtype (Llama).
+    norm_weight_in_float: bool = False
+    glu_alpha: float = 1.0  # clamped_swiglu's sigmoid gain and clamp
+    glu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attn_scale is None:
@@ -111,6 +126,8 @@ class DecoderConfig:
             raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.activation == "clamped_swiglu" and not self.glu_limit > 0:
+            raise ValueError(f"the clamped SwiGLU needs a positive limit, got {self.glu_limit}")
         if len(self.layer_ropes) != self.num_layers or not all(0 <= i < len(self.ropes) for i in self.layer_ropes):
             raise ValueError(f"layer_ropes must name one of the {len(self.ropes)} rotary embeddings per layer")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:

@@ -16,7 +16,8 @@ logger = logging.getLogger("tokenmill")
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-          "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+          "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+          "gpt-oss": "GptOssForCausalLM"}
 # Mixtral has no architecture of its own in GGUF: llama.cpp writes it as llama with llama.expert_count set.
 _GEMMA = ("gemma2", "gemma3")
 
@@ -36,6 +37,9 @@ _LAYER_NAMES = {
 # Gemma's four norms a layer: ffn_norm is the norm before the MLP, post_attention_norm the attention output's.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# gpt-oss: the norm before the experts is post_attention_norm; each head's attention sink a tensor of its own.
+_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                        "attn_sinks": "self_attn.sinks"}
 # Phi-3's merged projections: q/k/v in one attn_qkv, gate and up in one ffn_up (gate first), as its checkpoints.
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _PHI3_MERGED = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -47,7 +51,8 @@ _NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 
 def _layer_names(arch: str) -> dict[str, str]:
     """GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.) in files of `arch`."""
-    return _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    return _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else \
+        _GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else _LAYER_NAMES
 
 
 @dataclass(slots=True)
@@ -175,6 +180,8 @@ def read_config(reader: GGUFFile) -> dict:
     scaling_type = g("rope.scaling.type")
     if scaling_type == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+    elif scaling_type == "yarn":
+        config["rope_scaling"] = _yarn_scaling(g, arch, config)
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
     if "rope_freqs.weight" in names:
@@ -189,6 +196,22 @@ def read_config(reader: GGUFFile) -> dict:
     if arch == "phi3":
         config.update(_phi3_config(reader, g, config))
     return config
+
+
+def _yarn_scaling(g, arch: str, config: dict) -> dict:
+    """YaRN rope scaling from a GGUF's rope.scaling keys. The files do not say whether the blend's
+    dimension range is rounded outwards to whole dimensions: gpt-oss's own definition does not round it (its
+    HF config says truncate false), the other families' HF configs do (transformers' default)."""
+    scaling = {"rope_type": "yarn", "factor": g("rope.scaling.factor"),
+               "original_max_position_embeddings": g("rope.scaling.original_context_length")
+               or config["max_position_embeddings"],
+               "beta_fast": g("rope.scaling.yarn_beta_fast") or 32.0,
+               "beta_slow": g("rope.scaling.yarn_beta_slow") or 1.0, "truncate": arch != "gpt-oss"}
+    # llama.cpp's converter writes a config's attention_factor as yarn_attn_factor.
+    attention = g("rope.scaling.yarn_attn_factor", g("rope.scaling.attn_factor"))
+    if attention is not None:
+        scaling["attention_factor"] = attention
+    return scaling
 
 
 def _moe_config(reader: GGUFFile, g, config: dict) -> dict:
@@ -208,6 +231,8 @@ def _moe_config(reader: GGUFFile, g, config: dict) -> dict:
             raise ValueError(f"Mixtral GGUF file lacks the router of layers {out['mlp_only_layers']} (ffn_gate_inp)")
         return {**out, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts}
     out["num_experts"] = experts
+    if arch == "gpt-oss":  # its experts' size is the config's intermediate_size
+        return {**out, "num_local_experts": experts, "intermediate_size": out["moe_intermediate_size"]}
     if arch == "qwen2moe":
         shared = next((t.shape[1] for t in reader.tensors if t.name.endswith(".ffn_gate_shexp.weight")), 0)
         out.update(shared_expert_intermediate_size=g("expert_shared_feed_forward_length") or shared,
@@ -292,6 +317,8 @@ def _hf_name(name: str, arch: str) -> str:
         names = _layer_names(arch)
         if part not in names:
             raise ValueError(f"GGUF tensor {name!r} is not understood")
+        if part == "attn_sinks":  # a parameter of its own, not a layer's weight
+            return f"model.layers.{layer}.{names[part]}"
         return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = name.rpartition(".")
     if base not in _TOP_NAMES:
@@ -301,6 +328,9 @@ def _hf_name(name: str, arch: str) -> str:
 
 def gguf_name(hf: str, arch: str) -> str:
     """The GGUF name of a Hugging Face tensor name, in a file of architecture `arch` (_hf_name's inverse)."""
+    m = re.match(r"model\.layers\.(\d+)\.self_attn\.sinks$", hf)
+    if m:
+        return f"blk.{m.group(1)}.attn_sinks.weight"
     m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
     if m:
         layer, part, kind = m.groups()

@@ -11,19 +11,21 @@ from tokenmill.kernels.quant import float_from
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm scaling by (offset + weight): offset 0 as Llama, 1 as Gemma (description.py)."""
+    """RMSNorm scaling by (offset + weight): offset 0 as Llama, 1 as Gemma (description.py); in_float: the
+    scale applies in float32 whatever the offset (gpt-oss)."""
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, in_float: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.in_float = in_float or offset != 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference implementations do. Llama's scale applies in the model
-        # dtype to the rounded value; Gemma's (1 + w) in float32, rounded once at the end.
+        # dtype to the rounded value; Gemma's (1 + w) and gpt-oss's w in float32, rounded once at the end.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.offset:
+        if self.in_float:
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
@@ -172,22 +174,30 @@ class Embedding(_QuantizableLinear):
 
 
 class GatedMLP(nn.Module):
-    """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up fused; act silu (SwiGLU) or the
-    tanh-approximated GELU (GeGLU)."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up fused; act silu (SwiGLU), the
+    tanh-approximated GELU (GeGLU), or the clamped SwiGLU (`glu`: its alpha and limit)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu") -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu",
+                 glu: tuple[float, float] = (1.0, 0.0)) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.intermediate = intermediate
         self.activation = activation
+        self.glu = glu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(gated(gate, up, self.activation))
+        return self.down_proj(gated(gate, up, self.activation, self.glu))
 
 
-def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up: act silu (SwiGLU) or the tanh-approximated GELU (GeGLU)."""
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str, glu: tuple[float, float] = (1.0, 0.0)) -> torch.Tensor:
+    """act(gate) * up: act silu (SwiGLU) or the tanh-approximated GELU (GeGLU); or gpt-oss's clamped SwiGLU,
+    glu = (alpha, limit): gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate), in that reference's order of operations."""
+    if activation == "clamped_swiglu":
+        alpha, limit = glu
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return act * up

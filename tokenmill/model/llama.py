@@ -20,6 +20,11 @@ from tokenmill.model.rotary import RotaryEmbedding, apply_rotary
 logger = logging.getLogger("tokenmill")
 
 
+def norm_of(cfg: DecoderConfig, dim: int) -> RMSNorm:
+    """An RMSNorm over dim values as the description's norms compute."""
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.norm_offset, cfg.norm_weight_in_float)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, window: int | None) -> None:
         super().__init__()
@@ -28,8 +33,11 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.q_norm = norm_of(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = norm_of(cfg, cfg.head_dim) if cfg.qk_norm else None
+        # gpt-oss: each head's sink logit (in the model's dtype, as the reference holds it), which joins the
+        # denominator of the head's softmax.
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
         self.backend = backend
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
@@ -45,14 +53,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                 softcap=self.softcap)
+                                 softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        norm = lambda: norm_of(cfg, cfg.hidden_size)  # noqa: E731
         # Registered in the order a forward pass reads them (the weight arena follows this order).
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, backend, cfg.layer_windows[index])
@@ -62,9 +70,10 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
         if cfg.moe is not None and cfg.moe.sparse_layers[index]:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.activation)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.activation, (cfg.glu_alpha, cfg.glu_limit))
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.activation)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.activation,
+                                (cfg.glu_alpha, cfg.glu_limit))
         if self.sandwich:
             self.post_feedforward_layernorm = norm()
         self.rope = cfg.layer_ropes[index]
@@ -96,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.norm = norm_of(cfg, cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotaries = self.make_rotaries(max_positions)
 
@@ -214,7 +223,8 @@ class LlamaForCausalLM(nn.Module):
                         cfg.attn_scale, block_size, t(self.norm), self.embed_tokens.fused_parts(),
                         head.fused_parts(), *first, norm_offset=cfg.norm_offset,
                         activation=ACTIVATIONS.index(cfg.activation), embed_scale=self.embed_scale(dtype),
-                        attn_softcap=cfg.attn_softcap or 0.0, final_softcap=cfg.final_softcap or 0.0)
+                        attn_softcap=cfg.attn_softcap or 0.0, final_softcap=cfg.final_softcap or 0.0,
+                        norm_in_float=cfg.norm_weight_in_float, glu_alpha=cfg.glu_alpha, glu_limit=cfg.glu_limit)
         for tables in more:
             fused.add_rope(*tables)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -227,7 +237,8 @@ class LlamaForCausalLM(nn.Module):
                             t(a.k_norm), a.o_proj.fused_parts(), t(a.o_proj, "bias"), t(layer.ffn_norm), *mlp,
                             *kv_format.kernel_args(k_cache, v_cache, a.sliding_window or 0),
                             attn_out_norm=t(layer.post_attention_layernorm) if sandwich else None,
-                            ffn_out_norm=t(layer.post_feedforward_layernorm) if sandwich else None, rope=layer.rope)
+                            ffn_out_norm=t(layer.post_feedforward_layernorm) if sandwich else None, rope=layer.rope,
+                            sinks=t(a, "sinks"))
             if sparse:
                 m.add_to_fused(fused)
         if self.tp_group is not None:
@@ -251,6 +262,17 @@ class LlamaForCausalLM(nn.Module):
     }
 
     quantized = False  # True once any linear layer or the embedding holds a quantized weight
+
+    def packed_weights(self, hf_config: dict, keep: bool) -> set[str]:
+        """The weights (Hugging Face names) that a Hugging Face checkpoint holds in a block format and that
+        stay in it (keep: its kernels run here), for quantize_weights; checkpoint_weights dequantizes the
+        others. Empty for the families whose checkpoints are float."""
+        return set()
+
+    def checkpoint_weights(self, weights):
+        """The checkpoint's (name, tensor) pairs in the naming and layout load_weights takes; families whose
+        checkpoints lay tensors out otherwise (gpt-oss's stacked experts) convert here."""
+        return weights
 
     def canonical_name(self, name: str) -> str:
         """A checkpoint name (without "model.") in the naming the modules follow; families that name their
@@ -298,6 +320,7 @@ class LlamaForCausalLM(nn.Module):
                 if getattr(module, kind, None) is None and not (kind == "weight" and getattr(module, "quantized", False)):
                     continue
                 names.update(self._parts_of(f"{module_name}.{kind}"))
+        names.update(n for n, _ in self.named_parameters() if n.endswith(".sinks"))
         return names
 
     def _parts_of(self, name: str) -> list[str]:
@@ -318,11 +341,13 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             expert = EXPERT_WEIGHT.match(name)
-            if expert:  # one expert's matrix, or (from GGUF) all experts' stacked
-                prefix, index, part = expert.group(1), expert.group(2), PARTS.index(expert.group(3))
+            if expert:  # one expert's matrix (or bias), or (from GGUF) all experts' stacked
+                prefix, index, part, kind = expert.group(1), expert.group(2), PARTS.index(expert.group(3)), \
+                    expert.group(4)
                 experts = self.get_submodule(prefix)
-                experts.load(part, tensor, None if index is None else int(index))
-                loaded.update(experts.checkpoint_names(prefix, [part], None if index is None else [int(index)]))
+                index = None if index is None else int(index)
+                (experts.load if kind == "weight" else experts.load_bias)(part, tensor, index)
+                loaded.update(experts.checkpoint_names(prefix, [part], None if index is None else [index], (kind,)))
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied to the embedding

@@ -102,12 +102,14 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     if tensor_parallel is not None and shard is None:
         shard = _shard(hf_config, tensor_parallel)
     with torch.device("meta"):
-        if shard is None:
-            model = cls(hf_config, backend, positions)
-        else:
+        model = cls(hf_config if shard is None else shard.config(hf_config), backend, positions)
+        if reader is None:  # a Hugging Face checkpoint's block-format weights (gpt-oss's MXFP4 experts)
+            keep = quantization == "auto" and device.type == "cpu" and shard is None and quant.load() is not None
+            quantized = model.packed_weights(hf_config, keep)
+        weights = model.checkpoint_weights(weights)
+        if shard is not None:
             from tokenmill.distributed import tensor_parallel as tp
 
-            model = cls(shard.config(hf_config), backend, positions)
             tp.make_shard(model, shard, tensor_parallel[2])
             weights = tp.cut_float_weights(model, shard, weights)
     model.quantize_weights(quantized)

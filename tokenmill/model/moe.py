@@ -19,9 +19,10 @@ from tokenmill.kernels.quant import float_from
 from tokenmill.model.description import MoESpec
 from tokenmill.model.layers import GatedMLP, Linear, gated
 
-# An expert's weight in Hugging Face naming: "<...>.experts.<e>.gate_proj.weight" one expert at a time, or
-# "<...>.experts.gate_proj.weight" for all experts stacked [E, rows, cols] (GGUF's ffn_*_exps tensors).
-EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight$")
+# An expert's weight (or bias) in Hugging Face naming: "<...>.experts.<e>.gate_proj.weight" one expert at a
+# time, or "<...>.experts.gate_proj.weight" for all experts stacked [E, rows, cols] (GGUF's ffn_*_exps
+# tensors; their biases [E, rows]).
+EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -30,14 +31,19 @@ class Experts(nn.Module):
     one product for both) and down_proj [E, H, I]; or, from a GGUF file, any of gate, up and down as one
     quantized matrix [E * rows, cols] in its block format, each expert's slice (a view) multiplied by that
     format's kernel. Quantized gate and up stay two matrices (two products an expert): the file holds them
-    apart, and interleaving them per expert would copy them."""
+    apart, and interleaving them per expert would copy them. With `bias` (gpt-oss), each expert's projections
+    add biases, gate_up_bias [E, 2I] (gate then up) and down_bias [E, H], in the model's dtype whatever the
+    weights' format."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str, bias: bool = False,
+                 glu: tuple[float, float] = (1.0, 0.0)) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.activation = activation
+        self.activation, self.glu = activation, glu
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if bias else None
         self._whole: list = [None, None, None]  # per part (gate, up, down): the stacked QuantizedWeight
         self._slices: list = [None, None, None]  # per part: each expert's QuantizedWeight (views of the whole)
         self._quantized: set[int] = set()
@@ -63,10 +69,24 @@ class Experts(nn.Module):
         return [w for whole, slices in zip(self._whole, self._slices)
                 for w in ([whole] if whole is not None else slices or ()) if w is not None]
 
-    def checkpoint_names(self, prefix: str, parts=range(3), experts=None) -> list[str]:
-        """Hugging Face names of the weights of `parts` of `experts` (default all), under module name prefix."""
+    def checkpoint_names(self, prefix: str, parts=range(3), experts=None, kinds=None) -> list[str]:
+        """Hugging Face names of the weights (and biases, where the experts have them) of `parts` of `experts`
+        (default all), under module name prefix."""
         experts = range(self.num_experts) if experts is None else experts
-        return [f"{prefix}.{e}.{PARTS[p]}.weight" for p in parts for e in experts]
+        kinds = kinds or (("weight", "bias") if self.gate_up_bias is not None else ("weight",))
+        return [f"{prefix}.{e}.{PARTS[p]}.{kind}" for kind in kinds for p in parts for e in experts]
+
+    def load_bias(self, part: int, tensor: torch.Tensor, expert: int | None) -> None:
+        """One expert's bias of a part [rows], or (expert None) all experts' [E, rows]."""
+        rows = self._shape(part)[0]
+        if self.gate_up_bias is None:
+            raise ValueError("these experts have no biases")
+        expected = (rows,) if expert is not None else (self.num_experts, rows)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"expert bias has shape {tuple(tensor.shape)}, expected {expected}")
+        target = self.down_bias if part == 2 else self.gate_up_bias[:, part * rows:(part + 1) * rows]
+        with torch.no_grad():
+            (target if expert is None else target[expert]).copy_(tensor)
 
     def load(self, part: int, tensor, expert: int | None) -> None:
         """One expert's matrix of a part, or (expert None) all experts' stacked: float [rows, cols] or
@@ -120,12 +140,19 @@ class Experts(nn.Module):
     def expert(self, e: int, x: torch.Tensor, float_from: int | None = None) -> torch.Tensor:
         """Expert e over rows x [n, H] -> [n, H]: one product per weight matrix for all n rows (block-format
         products take float inputs from row float_from on: a prompt's rows)."""
+        gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        down_bias = None if self.down_bias is None else self.down_bias[e]
         if self._slices[0] is None:
-            gate, up = linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+            gate, up = linear(x, self.gate_up_proj[e], gate_up_bias).split(self.intermediate, dim=-1)
         else:
             gate, up = self._slices[0][e].matmul(x, float_from), self._slices[1][e].matmul(x, float_from)
-        h = gated(gate, up, self.activation)
-        return linear(h, self.down_proj[e]) if self._slices[2] is None else self._slices[2][e].matmul(h, float_from)
+            if gate_up_bias is not None:
+                gate, up = gate + gate_up_bias[:self.intermediate], up + gate_up_bias[self.intermediate:]
+        h = gated(gate, up, self.activation, self.glu)
+        if self._slices[2] is None:
+            return linear(h, self.down_proj[e], down_bias)
+        y = self._slices[2][e].matmul(h, float_from)
+        return y if down_bias is None else y + down_bias
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> [T, H]: sum over j of weights[t, j] * expert ids[t, j] (x[t])."""
@@ -152,12 +179,12 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """A layer's mixture-of-experts feed-forward: router (gate), experts, and Qwen2-MoE's shared expert."""
 
-    def __init__(self, hidden: int, spec: MoESpec, activation: str) -> None:
+    def __init__(self, hidden: int, spec: MoESpec, activation: str, glu: tuple[float, float] = (1.0, 0.0)) -> None:
         super().__init__()
         self.spec = spec
-        self.gate = Linear(hidden, spec.num_experts)  # the router
+        self.gate = Linear(hidden, spec.num_experts, bias=spec.router_bias)  # the router
         self.gate.keep_float = True  # its top-k choice is discrete: quantizing at load could flip it
-        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size, activation)
+        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size, activation, spec.expert_bias, glu)
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden, spec.shared_intermediate_size, False, activation)
@@ -165,8 +192,13 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights, [T, k] each: softmax (float32) over all the router's
-        logits, top k, renormalised where the description says (spec.norm_topk_prob)."""
+        logits, top k, renormalised where the description says (spec.norm_topk_prob); or (gpt-oss) the top
+        k logits, then a softmax over them."""
         logits = self.gate(x)
+        if self.spec.softmax_after_topk:
+            top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+            return ids, weights if self.spec.weights_in_float else weights.to(logits.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.norm_topk_prob:
@@ -184,8 +216,11 @@ class SparseMoE(nn.Module):
                           shared_down=self.shared_expert.down_proj.fused_parts(),
                           shared_gate=self.shared_expert_gate.fused_parts(),
                           shared_intermediate=spec.shared_intermediate_size)
+        bias = lambda p: None if p is None else p.detach()  # noqa: E731
         fused.set_experts(self.gate.fused_parts(), list(gate_up), list(down), spec.intermediate_size, spec.top_k,
-                          spec.norm_topk_prob, spec.weights_in_float, **shared)
+                          spec.norm_topk_prob, spec.weights_in_float, **shared,
+                          softmax_after_topk=spec.softmax_after_topk, router_bias=bias(self.gate.bias),
+                          gate_up_bias=bias(experts.gate_up_bias), down_bias=bias(experts.down_bias))
 
     sum_group = None  # tensor parallel: each rank's experts hold a slice of every expert (distributed/)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mistral import MistralForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
@@ -16,6 +17,7 @@ from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 MODELS: dict[str, type] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
 def _cpu_arange(n: int, step: int = 1) -> torch.Tensor:
@@ -60,7 +60,42 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> tuple[t
         return torch.where(medium, smoothed, scaled), 1.0
     if rope_type == "longrope":
         return _longrope(rotary_dim, base, scaling["short_factor"], "short"), scaling["attention_factor"]
+    if rope_type == "yarn":
+        return _yarn(rotary_dim, base, scaling)
     raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def _yarn(dim: int, base: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: each frequency blends its interpolated (divided by factor) and original values by a linear ramp
+    over the dimensions between the ones that turn beta_fast and beta_slow times within the original context;
+    cos and sin scale by 0.1 ln(factor) + 1 (or by mscale / mscale_all_dim, or by attention_factor where
+    given). As transformers computes it, roundings included."""
+    factor, original = s.get("factor"), s.get("original_max_position_embeddings")
+    if not factor or not original:
+        raise ValueError(f"YaRN rope scaling needs factor and original_max_position_embeddings, got {s!r}")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def turns(n: float) -> float:  # the dimension whose frequency turns n times in the original context
+        return dim * math.log(original / (n * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turns(fast), turns(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((_cpu_arange(dim // 2) - low) / (high - low), 0, 1)
+    powers = base ** (_cpu_arange(dim, 2) / dim)
+    keep = 1 - ramp  # the share of each frequency's original (extrapolated) value
+    return (1.0 / (factor * powers)) * (1 - keep) + (1.0 / powers) * keep, attention
 
 
 def long_rope_inv_freq(rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
