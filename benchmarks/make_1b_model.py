@@ -62,6 +62,14 @@ def run(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> None:
     out.with_name(out.name + ".tmp").rename(out)
 
 
+def convert_bf16(lc: Path, hf: Path, bf16: Path) -> None:
+    """llama.cpp's own converter (from the tools in lc): the Hugging Face folder hf as the BF16 GGUF file bf16."""
+    pythonpath = os.pathsep.join(filter(None, [str(lc / "gguf-py"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    run([sys.executable, str(lc / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16", "--outfile", f"{bf16}.tmp"],
+        bf16, env)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir", type=Path)
@@ -93,10 +101,7 @@ def main() -> None:
     if not hf.exists():
         make_hf(hf)
     if not bf16.exists():
-        pythonpath = os.pathsep.join(filter(None, [str(gguf_py), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": pythonpath}
-        run([sys.executable, str(convert), str(hf), "--outtype", "bf16", "--outfile", f"{bf16}.tmp"],
-            bf16, env)
+        convert_bf16(lc, hf, bf16)
     for q, path in zip(QUANTS, ggufs[1:]):
         if not path.exists():
             run([str(quantize), str(bf16), f"{path}.tmp", q], path)

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from make_1b_model import default_llama_cpp_dir, run  # noqa: E402
+from make_1b_model import convert_bf16, default_llama_cpp_dir, run  # noqa: E402
 
 
 def make_hf(folder: Path) -> None:
@@ -66,8 +66,7 @@ def main() -> None:
     if not hf.exists():
         make_hf(hf)
     if not bf16.exists():
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(gguf_py), os.environ.get("PYTHONPATH")]))}
-        run([sys.executable, str(convert), str(hf), "--outtype", "bf16", "--outfile", f"{bf16}.tmp"], bf16, env)
+        convert_bf16(lc, hf, bf16)
     if not mxfp4.exists():
         run([str(quantize), str(bf16), f"{mxfp4}.tmp", "MXFP4_MOE"], mxfp4)
     print(f"done in {time.perf_counter() - t0:.0f} s")
