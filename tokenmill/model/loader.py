@@ -103,7 +103,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
         shard = _shard(hf_config, tensor_parallel)
     with torch.device("meta"):
         model = cls(hf_config if shard is None else shard.config(hf_config), backend, positions)
-        if reader is None:  # a Hugging Face checkpoint's block-format weights (gpt-oss's MXFP4 experts)
+        if reader is None and hf_config.get("quantization_config"):  # block-format weights (gpt-oss's MXFP4)
             keep = quantization == "auto" and device.type == "cpu" and shard is None and quant.load() is not None
             quantized = model.packed_weights(hf_config, keep)
         weights = model.checkpoint_weights(weights)
