@@ -214,6 +214,30 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     return logits
 
 
+def teacher_forced_scores(llm, ref, prompts, tokens: int = 16):
+    """Greedy runs of `tokens` tokens against transformers' model ref, teacher-forced on our tokens: the prompt
+    logprobs' largest error, and per decoded token its gap to the reference's top choice and its logprob
+    error (arrays)."""
+    import numpy as np
+
+    from tokenmill import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0,
+                                                prompt_logprobs=1, logprobs=1), use_tqdm=False)
+    prompt_err, gaps, errors = 0.0, [], []
+    for ids, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            want = ref(torch.tensor([ids + gen])).logits[0].log_softmax(-1)
+        for i, t in enumerate(ids[1:], start=1):
+            prompt_err = max(prompt_err, abs(out.prompt_logprobs[i][t].logprob - want[i - 1, t].item()))
+        for j, t in enumerate(gen):
+            row = want[len(ids) + j - 1]
+            gaps.append(float(row.max() - row[t]))
+            errors.append(abs(out.outputs[0].logprobs[j][t].logprob - float(row[t])))
+    return prompt_err, np.array(gaps), np.array(errors)
+
+
 def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
     """Reference: transformers' greedy generate of each prompt alone, plus last-position logprobs."""
     model = reference_model(folder)

@@ -16,7 +16,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from tests.conftest import PROMPTS, gpt_oss_config, hf_greedy, phi3_configs, save_tiny_models  # noqa: E402
+from tests.conftest import (PROMPTS, gpt_oss_config, hf_greedy, phi3_configs, save_tiny_models,  # noqa: E402
+                            teacher_forced_scores)
 from tests.gguf_models import write_llama_gguf  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -205,21 +206,10 @@ def test_gpt_oss_experts_run_in_mxfp4(files, tmp_path):
         used = []
         pick = model._fused_decoder
         model._fused_decoder = lambda *a: used.append(pick(*a)) or used[-1]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=16, min_tokens=16, temperature=0, prompt_logprobs=1,
-                                                    logprobs=1), use_tqdm=False)
+        prompt_err, gaps, errors = teacher_forced_scores(llm, ref, prompts)
         assert any(f is not None for f in used) == fused
-        gaps, errors = [], []
-        for ids, out in zip(prompts, outs):
-            gen = out.outputs[0].token_ids
-            with torch.no_grad():
-                want = ref(torch.tensor([ids + gen])).logits[0].log_softmax(-1)
-            got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
-            assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=1e-4)
-            for j, t in enumerate(gen):
-                row = want[len(ids) + j - 1]
-                gaps.append(float(row.max() - row[t]))
-                errors.append(abs(out.outputs[0].logprobs[j][t].logprob - float(row[t])))
-        return np.array(gaps), np.array(errors)
+        assert prompt_err <= 1e-4, prompt_err
+        return gaps, errors
 
     quant.set_float_rows(1)
     try:

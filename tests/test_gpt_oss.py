@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import PROMPTS
-from tokenmill import LLM, SamplingParams
+from tests.conftest import PROMPTS, teacher_forced_scores
+from tokenmill import LLM
 from tokenmill.kernels import quant
 
 gguf = pytest.importorskip("gguf")
@@ -60,25 +60,6 @@ def _reference(folder: str):
                                                 quantization_config=Mxfp4Config(dequantize=True)).eval()
 
 
-def _scores(llm, ref, prompts, tokens: int = 16):
-    """Prompt logprobs' largest error, and per decoded token its gap to the reference's top choice and its
-    logprob error (teacher-forced on our tokens)."""
-    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0,
-                                                prompt_logprobs=1, logprobs=1), use_tqdm=False)
-    prompt_err, gaps, errors = 0.0, [], []
-    for ids, out in zip(prompts, outs):
-        gen = out.outputs[0].token_ids
-        with torch.no_grad():
-            want = ref(torch.tensor([ids + gen])).logits[0].log_softmax(-1)
-        for i, t in enumerate(ids[1:], start=1):
-            prompt_err = max(prompt_err, abs(out.prompt_logprobs[i][t].logprob - want[i - 1, t].item()))
-        for j, t in enumerate(gen):
-            row = want[len(ids) + j - 1]
-            gaps.append(float(row.max() - row[t]))
-            errors.append(abs(out.outputs[0].logprobs[j][t].logprob - float(row[t])))
-    return prompt_err, np.array(gaps), np.array(errors)
-
-
 def test_mxfp4_experts_stay_in_their_blocks(mxfp4_folder):
     """The experts load as MXFP4 blocks (no float copy) and run on the MXFP4 kernel. Module by module with
     float inputs everywhere: every logprob within 1e-4 of transformers', every token its greedy choice. With
@@ -98,13 +79,13 @@ def test_mxfp4_experts_stay_in_their_blocks(mxfp4_folder):
     model.use_fused_decode = False
     quant.set_float_rows(1)
     try:
-        prompt_err, gaps, errors = _scores(llm, ref, prompts)
+        prompt_err, gaps, errors = teacher_forced_scores(llm, ref, prompts)
     finally:
         quant.set_float_rows(0)
     assert prompt_err < 1e-4 and gaps.max() == 0 and errors.max() < 1e-4, (prompt_err, gaps.max(), errors.max())
     model.use_fused_decode = True
     llm.engine.reset_prefix_cache()
-    prompt_err, gaps, errors = _scores(llm, ref, prompts)
+    prompt_err, gaps, errors = teacher_forced_scores(llm, ref, prompts)
     assert prompt_err < 1e-4
     assert np.mean(gaps == 0) >= 0.95 and gaps.mean() < 0.03 and errors.mean() < 0.05, \
         (np.mean(gaps == 0), gaps.mean(), errors.mean())
@@ -131,7 +112,7 @@ def test_mxfp4_experts_dequantized_where_asked(mxfp4_folder, quantization):
     else:
         assert {w.name for w in experts.qparts} == {"Q8_0"}
     tok = llm.get_tokenizer()
-    prompt_err, gaps, errors = _scores(llm, ref, [tok.encode(p) for p in PROMPTS])
+    prompt_err, gaps, errors = teacher_forced_scores(llm, ref, [tok.encode(p) for p in PROMPTS])
     assert prompt_err < 1e-4
     if quantization == "none":
         assert gaps.max() == 0 and errors.max() < 1e-4

@@ -72,6 +72,31 @@ struct NibbleRow {
 };
 
 constexpr int QK = 32;    // the activation block, and the block of the 32-element formats
+
+// Block b's 32 low-4-bit codes from the repacked pairs qs of a row of nb blocks (see the top of this file).
+inline void block_nibbles(const uint8_t* qs, int64_t b, int64_t nb, int* q) {
+  const uint8_t* p = qs + (b / 2) * 32;
+  if (b + 1 < nb || nb % 2 == 0) {  // one of a pair: low nibbles for the first, high for the second
+    for (int i = 0; i < 32; ++i) q[i] = b % 2 ? p[i] >> 4 : p[i] & 0xF;
+  } else {  // an odd last block, as GGUF holds it
+    for (int i = 0; i < 16; ++i) q[i] = p[i] & 0xF, q[i + 16] = p[i] >> 4;
+  }
+}
+
+// The repacked pairs qs from a row of nb GGUF blocks of `bytes` each whose 16 code bytes start at `hdr`.
+inline void pair_nibbles(const uint8_t* in, int64_t bytes, int hdr, int64_t nb, uint8_t* qs) {
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    const uint8_t* qa = in + b * bytes + hdr;
+    const uint8_t* qb = qa + bytes;
+    uint8_t* o = qs + (b / 2) * 32;
+    for (int i = 0; i < 16; ++i) {
+      o[i] = (qa[i] & 0xF) | (qb[i] & 0xF) << 4;     // elements i
+      o[i + 16] = (qa[i] >> 4) | (qb[i] >> 4) << 4;  // elements i + 16
+    }
+  }
+  if (nb % 2) std::memcpy(qs + (nb / 2) * 32, in + (nb - 1) * bytes + hdr, 16);
+}
+
 constexpr int QKK = 256;  // the super-block of the K formats
 
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
@@ -144,16 +169,11 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
     }
     case MXFP4: {  // the repacked layout: scales, then the codes in pairs of blocks as the 4-bit formats'
       const int64_t nb = K / QK;
-      const uint8_t* qs = row + nb;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = qs + (b / 2) * 32;
+        int q[32];
+        block_nibbles(row + nb, b, nb, q);
         const float d = e8m0_half(row[b]);
-        for (int i = 0; i < 32; ++i) {
-          int q;
-          if (b + 1 < nb || nb % 2 == 0) q = b % 2 ? p[i] >> 4 : p[i] & 0xF;
-          else q = i < 16 ? p[i] & 0xF : p[i - 16] >> 4;  // an odd last block, as GGUF holds it
-          y[b * 32 + i] = d * kFp4Doubled[q];
-        }
+        for (int i = 0; i < 32; ++i) y[b * 32 + i] = d * kFp4Doubled[q[i]];
       }
       break;
     }
@@ -169,13 +189,7 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
       const float bias = five_bits(type) ? 16.f : 8.f;
       for (int64_t b = 0; b < nb; ++b) {
         int q[32];
-        if (b + 1 < nb || nb % 2 == 0) {  // one of a pair: low nibbles for the first, high for the second
-          const uint8_t* p = qs + (b / 2) * 32;
-          for (int i = 0; i < 32; ++i) q[i] = b % 2 ? p[i] >> 4 : p[i] & 0xF;
-        } else {  // an odd last block, as GGUF holds it
-          const uint8_t* p = qs + (b / 2) * 32;
-          for (int i = 0; i < 16; ++i) q[i] = p[i] & 0xF, q[i + 16] = p[i] >> 4;
-        }
+        block_nibbles(qs, b, nb, q);
         if (five_bits(type)) {
           uint32_t h;
           std::memcpy(&h, r.qh + b, 4);
@@ -539,17 +553,8 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
     return;
   }
   if (type == MXFP4) {  // [nb scales] then the codes paired as below (a GGUF block: its scale, 16 bytes of codes)
-    uint8_t* qs = out + nb;
     for (int64_t b = 0; b < nb; ++b) out[b] = in[b * f.bytes];
-    for (int64_t b = 0; b + 1 < nb; b += 2) {
-      const uint8_t *qa = in + b * f.bytes + 1, *qb = qa + f.bytes;
-      uint8_t* o = qs + (b / 2) * 32;
-      for (int i = 0; i < 16; ++i) {
-        o[i] = (qa[i] & 0xF) | (qb[i] & 0xF) << 4;
-        o[i + 16] = (qa[i] >> 4) | (qb[i] >> 4) << 4;
-      }
-    }
-    if (nb % 2) std::memcpy(qs + (nb / 2) * 32, in + (nb - 1) * f.bytes + 1, 16);
+    pair_nibbles(in, f.bytes, 1, nb, out + nb);
     return;
   }
   const bool min = has_min(type), five = five_bits(type);
@@ -568,16 +573,7 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
     for (int64_t b = 0; b < nb; ++b) std::memcpy(qs + b * 32, in + b * f.bytes + 2, 32);
     return;
   }
-  for (int64_t b = 0; b + 1 < nb; b += 2) {
-    const uint8_t* qa = in + b * f.bytes + hdr;
-    const uint8_t* qb = qa + f.bytes;
-    uint8_t* o = qs + (b / 2) * 32;
-    for (int i = 0; i < 16; ++i) {
-      o[i] = (qa[i] & 0xF) | (qb[i] & 0xF) << 4;            // elements i
-      o[i + 16] = (qa[i] >> 4) | (qb[i] >> 4) << 4;         // elements i + 16
-    }
-  }
-  if (nb % 2) std::memcpy(qs + (nb / 2) * 32, in + (nb - 1) * f.bytes + hdr, 16);
+  pair_nibbles(in, f.bytes, hdr, nb, qs);
 }
 
 // ---------------------------------------------------------------------------------------------- activations
