@@ -185,3 +185,24 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(default_gguf):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_chat_shows_reasoning_apart_from_the_answer(tiny_models):
+    """A reply written as <think>...</think> (forced by a regex): the chat shows the reasoning, then the
+    answer, and keeps only the answer; the reference is the raw text split by hand."""
+    import io
+
+    from tokenmill.cli import stream
+    from tokenmill.server import reasoning
+    from tokenmill.structured.params import StructuredOutputsParams
+
+    llm = LLM(tiny_models["qwen2"], dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(regex="<think>[a-z ]{3,12}</think>\n[a-z]{3,8}"))
+    prompt = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    raw = llm.generate(prompt, params)[0].outputs[0].text
+    thought, _, answer = raw.removeprefix("<think>").partition("</think>\n")
+    out = io.StringIO()
+    got, stats = stream(llm, prompt, params, out=out, parser=reasoning.new_parser("think", prompt))
+    assert got == answer and out.getvalue() == thought + "\n\n" + answer
+    assert not stats.interrupted

@@ -12,6 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tokenmill.server import reasoning
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
@@ -144,14 +146,16 @@ def ctrl_c_stops():
         signal.signal(signal.SIGINT, previous)
 
 
-def stream(llm, prompt, params, out=None) -> tuple[str, ReplyStats]:
+def stream(llm, prompt, params, out=None, parser=None) -> tuple[str, ReplyStats]:
     """Generate one completion, writing its text to `out` (stdout) as it is produced. Ctrl-C stops it
-    and aborts the request (its KV blocks are freed); the text so far is returned."""
+    and aborts the request (its KV blocks are freed); the text so far is returned. With a reasoning
+    parser (server/reasoning.py), the reasoning is shown dimmed and only the answer is returned."""
     out = out or sys.stdout
     engine = llm.engine
     stats = ReplyStats()
     start = time.perf_counter()
     shown, first, last = "", None, None
+    show = _Shown(out, parser) if parser is not None else None
     with ctrl_c_stops() as stop:
         rid = engine.add_request(None, prompt, params)
         while engine.has_unfinished_requests():
@@ -169,12 +173,41 @@ def stream(llm, prompt, params, out=None) -> tuple[str, ReplyStats]:
                     first = first or now
                     last, stats.output_tokens = now, n
                 text = o.outputs[0].text
-                out.write(text[len(shown):])
-                out.flush()
+                if show is not None:
+                    show.feed(text, o.finished)
+                else:
+                    out.write(text[len(shown):])
+                    out.flush()
                 shown = text
     if first is not None:
         stats.ttft, stats.decode_seconds = first - start, last - first
+    if show is not None:
+        show.feed(shown, True)
+        return show.answer, stats
     return shown, stats
+
+
+class _Shown:
+    """A reply's reasoning (dimmed on a terminal) and then its answer, as a reasoning parser splits them."""
+
+    def __init__(self, out, parser) -> None:
+        self.out, self.parser = out, parser
+        self.dim = out.isatty() if hasattr(out, "isatty") else False
+        self.answer, self.thinking = "", False
+
+    def feed(self, text: str, final: bool) -> None:
+        for d in self.parser.feed(text, final):
+            if d.get("reasoning_content"):
+                piece = d["reasoning_content"]
+                self.out.write(f"\x1b[2m{piece}\x1b[0m" if self.dim else piece)
+                self.thinking = True
+            elif d.get("content"):
+                if self.thinking:  # a blank line between the reasoning and the answer
+                    self.out.write("\n\n")
+                    self.thinking = False
+                self.out.write(d["content"])
+                self.answer += d["content"]
+        self.out.flush()
 
 
 def cmd_generate(args) -> int:
@@ -278,6 +311,7 @@ def cmd_chat(args) -> int:
     from tokenmill.model.hub import cache_dir
 
     llm = LLM(**engine_kwargs(args))
+    kind = reasoning.kind_for(llm.get_tokenizer().chat_template, args.reasoning_parser)
     state = {"params": sampling_params(args, llm), "system": args.system, "stats": args.stats,
              "messages": [{"role": "system", "content": args.system}] if args.system else []}
     print("Chat with the model. /help lists commands; Ctrl-C stops a reply, Ctrl-D or /exit leaves.",
@@ -302,7 +336,9 @@ def cmd_chat(args) -> int:
             state["messages"].append({"role": "user", "content": text})
             try:
                 prompt = apply_chat_template(llm.get_tokenizer(), state["messages"])
-                answer, stats = stream(llm, prompt, state["params"])
+                parser = reasoning.new_parser(kind, prompt) if kind else None
+                answer, stats = stream(llm, prompt, reasoning.request_params(kind, state["params"], llm.get_tokenizer()),
+                                       parser=parser)
             except KeyboardInterrupt:  # before the reply started: nothing was queued
                 answer, stats = "", ReplyStats(interrupted=True)
             except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep the chat
@@ -410,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat in the terminal using the model's chat template")
     add_engine_args(p)
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
+    p.add_argument("--reasoning-parser", default="auto", choices=reasoning.PARSERS,
+                   help="show the model's reasoning dimmed, apart from its answer (as `serve --reasoning-parser`; "
+                        "default auto: from the chat template)")
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 

@@ -66,10 +66,11 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate replies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt)
+        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt,
+                                       chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -97,12 +98,15 @@ class LLM:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
-                        add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-    """Render a conversation with the model's chat template (transformers renders it in a Jinja sandbox)."""
+                        add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                        chat_template_kwargs: dict | None = None) -> str:
+    """Render a conversation with the model's chat template (transformers renders it in a Jinja sandbox);
+    chat_template_kwargs are more variables for it (enable_thinking, reasoning_effort)."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model has no chat template; pass chat_template= or use generate() with plain text")
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, tools=tools)
+                                         add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **(chat_template_kwargs or {}))
 
 
 def _as_prompt_list(prompts) -> list:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.server.reasoning import PARSERS
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
@@ -27,6 +29,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="accept a chat_template sent in a request (rendered in a sandbox)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (default: from its chat template, else hermes)")
+    g.add_argument("--reasoning-parser", default="auto", choices=PARSERS,
+                   help="return the model's reasoning as reasoning_content, apart from content: deepseek_r1 and "
+                        "qwen3 read <think>...</think>, openai_gptoss the harmony format's channels (gpt-oss); "
+                        "auto picks from the chat template; none returns the raw text (default auto)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each a process with its own KV cache and CPU threads / N, behind this "
                         "server, which routes each request to one of them (default 1: no replicas, one engine)")

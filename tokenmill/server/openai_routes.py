@@ -17,10 +17,10 @@ from tokenmill.engine.async_engine import AsyncEngine, RequestCutOffError, Reque
 from tokenmill.llm import apply_chat_template
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.app import APIError, ServerState
-from tokenmill.server import tools
+from tokenmill.server import reasoning, tools
 from tokenmill.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
-from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                       error_body)
+from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, FieldError,
+                                       TokenizeRequest, error_body)
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -371,7 +371,8 @@ def chat_prompt(tokenizer, body: ChatCompletionRequest, fns: dict, mode: str, fm
     native = tools.template_handles_tools(body.chat_template or tokenizer.chat_template)
     messages = tools.render_messages([m.as_dict() for m in body.messages], fns, mode, native, fmt)
     listed = [{"type": "function", "function": f} for f in fns.values()] if native and mode != "none" else None
-    return apply_chat_template(tokenizer, messages, body.chat_template, body.add_generation_prompt, tools=listed)
+    return apply_chat_template(tokenizer, messages, body.chat_template, body.add_generation_prompt, tools=listed,
+                               chat_template_kwargs=body.template_kwargs())
 
 
 async def chat_completions(state: ServerState, body: ChatCompletionRequest, request: Request):
@@ -388,12 +389,20 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
         fmt = tools.format_for(body.chat_template or state.tokenizer.chat_template,
                                getattr(state.args, "tool_call_parser", None))
         calling = mode != "none" and bool(fns)
+        thinking = reasoning.kind_for(body.chat_template or state.tokenizer.chat_template,
+                                      getattr(state.args, "reasoning_parser", None))
+        if thinking == "harmony" and calling and mode != "auto":
+            raise APIError(400, "tool_choice must be auto for a model that writes the harmony format (its calls "
+                                "are not constrained)", param="tool_choice")
         try:
-            tool_spec = tools.constraint(mode, names, fns, body.parallel_tool_calls, fmt) if calling else None
+            tool_spec = (tools.constraint(mode, names, fns, body.parallel_tool_calls, fmt)
+                         if calling and thinking != "harmony" else None)
         except ValueError as e:
             raise APIError(400, f"the tools' schemas: {e}", param="tools") from None
         try:
             prompt = chat_prompt(state.tokenizer, body, fns, mode, fmt)
+        except FieldError as e:
+            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template error (sandbox violation, bad syntax, raise_exception)
@@ -408,6 +417,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                                param="tool_choice")
             if params.structured_outputs is None:
                 params = params.clone(structured_outputs=tool_spec)
+        params = reasoning.request_params(thinking, params, state.tokenizer)
         await _compile_constraint(state, params, body.structured()[1] or "tools")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add(rid, ids, params, prompt, reserved=True)
@@ -435,7 +445,9 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             sent_text: dict[int, str] = {}
             sent_tokens: dict[int, int] = {}
             finished: set[int] = set()
-            parsers = {i: tools.StreamParser(fmt) for i in range(body.n)} if calling else {}
+            parsers = {i: reasoning.Reply(reasoning.new_parser(thinking, prompt) if thinking else None,
+                                          tools.StreamParser(fmt) if calling and thinking != "harmony" else None)
+                       for i in range(body.n)} if calling or thinking else {}
             pending_from: dict[int, int] = {}  # first token whose logprobs have not gone out (tools)
             final = None
             for i in range(body.n):
@@ -452,15 +464,15 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                     delta = c.text[len(prev):]
                     if delta or len(c.token_ids) > start:
                         sent_text[c.index], sent_tokens[c.index] = c.text, len(c.token_ids)
-                        if calling:
+                        if parsers:
                             lp = logprob_entries(c, pending_from.get(c.index, start))
                             deltas = parsers[c.index].feed(c.text, final=c.finish_reason is not None)
                             if not deltas:  # text held back: its logprobs go with the next piece
                                 pending_from.setdefault(c.index, start)
                             for d in deltas:
                                 pending_from.pop(c.index, None)
-                                yield chunk([{"index": c.index, "delta": d, "logprobs": lp, "finish_reason": None}],
-                                            usage)
+                                yield chunk([{"index": c.index, "delta": reasoning.with_alias(d), "logprobs": lp,
+                                              "finish_reason": None}], usage)
                                 lp = None
                         elif delta or body.logprobs:
                             yield chunk([{"index": c.index, "delta": {"content": delta},
@@ -468,10 +480,10 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                     if c.finish_reason is not None and c.index not in finished:
                         finished.add(c.index)
                         reason = c.finish_reason
-                        if calling:
+                        if parsers:
                             for d in parsers[c.index].feed(c.text, final=True):
-                                yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}],
-                                            usage)
+                                yield chunk([{"index": c.index, "delta": reasoning.with_alias(d), "logprobs": None,
+                                              "finish_reason": None}], usage)
                             if parsers[c.index].calls:
                                 reason = "tool_calls"
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
@@ -489,11 +501,16 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
     out = await _run(request, collect())
 
     def message(c) -> tuple[dict, str]:
-        if calling:
-            content, calls = tools.parse(c.text, fmt)
+        if thinking:
+            fields = reasoning.parse(reasoning.new_parser(thinking, prompt), c.text)
+        else:
+            fields = {"content": c.text}
+        if calling and thinking != "harmony" and fields["content"]:
+            content, calls = tools.parse(fields["content"], fmt)
             if calls:
-                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": c.text}, c.finish_reason
+                fields.update(content=content, tool_calls=calls)
+        msg = {"role": "assistant", **reasoning.with_alias(fields)}
+        return msg, "tool_calls" if msg.get("tool_calls") else c.finish_reason
 
     choices = []
     for c in out.outputs:

@@ -142,9 +142,16 @@ class ChatMessage(_Body):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool result's call
+    # an assistant's earlier reasoning, under the names clients send it back by
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+    thinking: Optional[str] = None
 
     def as_dict(self) -> dict:
         m = {"role": self.role, "content": self.text()}
+        thought = self.reasoning_content or self.reasoning or self.thinking
+        if thought:  # templates read it as reasoning_content (Qwen3) or thinking (gpt-oss)
+            m["reasoning_content"] = m["thinking"] = thought
         if self.tool_calls:
             for c in self.tool_calls:
                 if not isinstance(c.get("function"), dict) or not isinstance(c["function"].get("name"), str):
@@ -177,6 +184,23 @@ class ChatCompletionRequest(_SamplingBody):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the template (enable_thinking)
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = None  # the template's reasoning_effort
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables the chat template gets besides messages and tools; FieldError for a reserved name."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise FieldError(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
+
+# what the server itself passes to the chat template
+_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "tokenize", "continue_final_message", "return_dict", "return_assistant_tokens_mask"}
 
 
 class TokenizeRequest(_Body):

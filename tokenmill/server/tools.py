@@ -177,10 +177,10 @@ def render_messages(messages: list[dict], fns: dict[str, dict], mode: str, nativ
             continue
         if calls:
             written = fmt.write([(c["function"]["name"], _as_object(c["function"].get("arguments"))) for c in calls])
-            m = {"role": "assistant", "content": ((m.get("content") or "") + "\n" + written).strip()}
+            m["content"] = ((m.get("content") or "") + "\n" + written).strip()
         elif m.get("role") == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
-        out.append({k: v for k, v in m.items() if k in ("role", "content")})
+        out.append({k: v for k, v in m.items() if k in ("role", "content", "reasoning_content", "thinking")})
     if not native and mode != "none" and fns:
         prompt = FALLBACK.format(tools="\n".join(json.dumps({"type": "function", "function": f}) for f in fns.values()),
                                  instructions=fmt.instructions, example=fmt.example())
