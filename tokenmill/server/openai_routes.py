@@ -418,6 +418,11 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             if params.structured_outputs is None:
                 params = params.clone(structured_outputs=tool_spec)
         params = reasoning.request_params(thinking, params, state.tokenizer)
+        if thinking == "think" and params.structured_outputs is not None:  # room to think before the constraint
+            try:
+                params = params.clone(structured_outputs=reasoning.after_thinking(params.structured_outputs, prompt))
+            except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's word on a bad schema
+                raise APIError(400, f"invalid output constraint: {e}", param=body.structured()[1] or "tools") from None
         await _compile_constraint(state, params, body.structured()[1] or "tools")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add(rid, ids, params, prompt, reserved=True)

@@ -18,6 +18,7 @@ whole message from the same parser, so streamed and whole answers cannot disagre
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 
@@ -57,6 +58,50 @@ def request_params(kind: str | None, params, tokenizer):
     ids = [tokenizer.convert_tokens_to_ids(t) for t in HARMONY_STOPS]
     stops = [i for i, t in zip(ids, HARMONY_STOPS) if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == t]
     return params.clone(skip_special_tokens=False, stop_token_ids=params.stop_token_ids + stops)
+
+
+def after_thinking(spec, prompt: str):
+    """An output constraint (StructuredOutputsParams) for a model that writes <think> tags: the reasoning is
+    free text (opened by the prompt, or optional where the prompt leaves it to the model), and the
+    constraint holds from the first non-blank character after </think>. None stays None, and so does a
+    constraint that writes </think> itself (it covers the reasoning too) or one after a prompt that ends with
+    </think>."""
+    if spec is None or THINK_CLOSE in spec.text or prompt.rstrip().endswith(THINK_CLOSE):
+        return spec  # (a prompt that closes the tag itself turned thinking off: Qwen3's enable_thinking false)
+    from tokenmill.structured.backend import choice_grammar
+    from tokenmill.structured.params import StructuredOutputsParams
+
+    kind = spec.kind
+    if kind in ("json", "json_object"):  # the same grammar as the constraint alone (its whitespace, strictness)
+        import xgrammar as xgr
+
+        if kind == "json_object" and spec.any_whitespace:
+            grammar = xgr.Grammar.builtin_json_grammar()
+        else:
+            grammar = xgr.Grammar.from_json_schema(spec.text if kind == "json" else '{"type": "object"}',
+                                                   any_whitespace=spec.any_whitespace,
+                                                   strict_mode=spec.strict if kind == "json" else False)
+        inner = {"type": "grammar", "grammar": str(grammar)}
+    elif kind == "regex":
+        inner = {"type": "regex", "pattern": spec.regex}
+    elif kind in ("choice", "grammar"):
+        inner = {"type": "grammar", "grammar": choice_grammar(spec.choice) if kind == "choice" else spec.grammar}
+    else:
+        tag = spec.structural_tag
+        tag = json.loads(tag) if isinstance(tag, str) else tag
+        if not isinstance(tag, dict) or "format" not in tag:
+            return spec  # xgrammar's older tag form: left as it is
+        inner = tag["format"]
+    inside = ThinkParser.after(prompt).state == "inside"
+    think = {"type": "tag", "begin": "" if inside else THINK_OPEN, "content": {"type": "any_text"}, "end": THINK_CLOSE}
+    if not inside:
+        think = {"type": "optional", "content": think}
+    # a few blanks between (Qwen3 writes two newlines), not as many as a small model would write
+    body = {"type": "sequence", "elements": [think, {"type": "regex", "pattern": r"[ \t\r\n]{0,4}"}, inner]}
+    try:
+        return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": body})
+    except ValueError:  # over the size limit as a grammar: the constraint holds from the first token, as before
+        return spec
 
 
 def new_parser(kind: str, prompt: str = ""):
