@@ -77,10 +77,14 @@ class TorchSDPABackend(AttentionBackend):
         n = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seq_len == n and (window is None or n <= window) and softcap is None and sinks is None:
-            # No earlier context: attend over this chunk's own K/V, causal.
-            o = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                               is_causal=True, scale=scale, enable_gqa=True)
-            return o.squeeze(0).transpose(0, 1)
+            # No earlier context: attend over this chunk's own K/V, causal. Zero rows added at the end change
+            # nothing before them (causal), and their own outputs are dropped.
+            pad = _padding(n, q.dtype)
+            kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            if pad:
+                qh, kh, vh = (F.pad(t, (0, 0, 0, pad)) for t in (qh, kh, vh))
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+            return o[:, :, :n].squeeze(0).transpose(0, 1)
         pos = torch.arange(seq_len, device=q.device)
         slots = block_table[pos // bs] * bs + pos % bs
         keys = kv_format.read(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
@@ -92,8 +96,24 @@ class TorchSDPABackend(AttentionBackend):
         if softcap is not None or sinks is not None:
             o = _eager_attention(qh, keys, values, mask, scale, softcap, sinks)
         else:
-            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            pad_q, pad_k = _padding(n, q.dtype), _padding(seq_len, q.dtype)
+            if pad_q or pad_k:  # masked out: added keys for every query, everything for added queries but key 0
+                qh, keys, values = F.pad(qh, (0, 0, 0, pad_q)), F.pad(keys, (0, 0, 0, pad_k)), F.pad(values, (0, 0, 0, pad_k))
+                mask = F.pad(mask, (0, pad_k, 0, pad_q))
+                mask[n:, 0] = True
+            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :n]
         return o.squeeze(0).transpose(0, 1)
+
+
+# Sequence lengths torch's bfloat16/half attention meets on the CPU: a multiple of this. Its flash attention
+# compiles (and keeps) matrix kernels for each new tail of a length, 1 MiB a length on the first 200 lengths
+# measured; float32 goes through MKL, which compiles nothing.
+ATTENTION_LENGTH_STEP = 32
+
+
+def _padding(n: int, dtype: torch.dtype) -> int:
+    """Rows to add to a length of n for the attention above (0 for float32)."""
+    return -n % ATTENTION_LENGTH_STEP if dtype in (torch.bfloat16, torch.float16) else 0
 
 
 def _eager_attention(q, k, v, mask, scale: float, cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:

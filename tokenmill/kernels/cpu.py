@@ -302,13 +302,36 @@ def load() -> object | None:
     return _module
 
 
+# Row counts torch's bfloat16/half GEMM meets on the CPU: chunks of GEMM_CHUNK rows, the last padded to a multiple
+# of GEMM_ROW_STEP (kernels/quant_product.h, kGemmChunk: oneDNN compiles and keeps kernels per row count).
+GEMM_CHUNK, GEMM_ROW_STEP = 512, 16
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the kernel when the batch is small (max_gemv_rows rows at most) bf16 on the CPU."""
+    """F.linear, through the kernel when the batch is small (max_gemv_rows rows at most) bf16 on the CPU, and
+    in bucketed row counts where torch's GEMM would compile kernels for each new count (bf16/half on the CPU)."""
     if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
             and _module is not None and x.shape[0] <= _module.max_gemv_rows and x.shape[1] % 32 == 0
             and (bias is None or bias.dtype == torch.bfloat16)):
         return _module.gemv_bf16(x, weight, bias)
+    m = x.shape[0] if x.dim() == 2 else 0
+    if (x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and m
+            and (m > GEMM_CHUNK or m % GEMM_ROW_STEP)):
+        return _bucketed_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    out = x.new_empty((m, weight.shape[0]))
+    for m0 in range(0, m, GEMM_CHUNK):
+        rows = min(GEMM_CHUNK, m - m0)
+        padded = -(-rows // GEMM_ROW_STEP) * GEMM_ROW_STEP
+        part = x[m0:m0 + rows]
+        if padded != rows:
+            part = torch.cat([part, part.new_zeros((padded - rows, x.shape[1]))])
+        out[m0:m0 + rows] = torch.nn.functional.linear(part, weight, bias)[:rows]
+    return out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -303,7 +303,7 @@ void gemv(const T* x, int64_t M, const T* w, int64_t K, int64_t N, const T* bias
 // x [M, K] @ w^T (+ bias) in bf16: the kernel for a few rows, torch's GEMM for more.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (M > kMaxGemvRows || K % 32 != 0) return at::linear(x, w, bias);
+  if (M > kMaxGemvRows || K % 32 != 0) return tmq::gemm_linear(x, w, bias);
   auto y = torch::empty({M, N}, x.options());
   gemv(bits(x), M, bits(w), K, N, bias ? bits(*bias) : nullptr, bits_mut(y));
   return y;
@@ -1195,14 +1195,14 @@ void matrix_segments(const Matrix& W, int64_t n0, int64_t n1, std::vector<Segmen
 // formats through tmq::block_product (quant_product.h).
 template <typename T>
 torch::Tensor matrix_product(const Matrix& W, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
-  if (W.parts.size() == 1 && W.parts[0].dense()) return at::linear(x, W.tensors[0], bias);
+  if (W.parts.size() == 1 && W.parts[0].dense()) return tmq::gemm_linear(x, W.tensors[0], bias);
   auto y = torch::empty({x.size(0), W.N}, x.options());
   const torch::Tensor xc = x.contiguous();
   for (size_t i = 0; i < W.parts.size(); ++i) {
     const MatrixPart& p = W.parts[i];
     auto cols = y.narrow(1, p.r0, p.r1 - p.r0);
     if (p.dense())
-      cols.copy_(at::linear(x, W.tensors[i]));
+      cols.copy_(tmq::gemm_linear(x, W.tensors[i]));
     else
       tmq::block_product((int)p.type, reinterpret_cast<const uint8_t*>(p.data), p.row_bytes, p.r1 - p.r0, xc, cols);
   }
