@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from tests.conftest import has_amx
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -138,18 +139,10 @@ def test_prompt_logprobs_of_the_quantized_file_are_the_dequantized_model_s(hf_gg
             assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=1e-4), chunk
 
 
-def _has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_tile" in f.read()
-    except OSError:
-        return False
-
-
 # On a CPU with AMX the two schedules' first-token logprobs part by 0.08-0.10 nats (seen on a 2-core Xeon, with
 # and without tokenmill's CPU kernels, whichever path the prompt rows take): a difference in torch's bfloat16
 # kernels there that is not yet understood. Elsewhere they agree within 1e-3.
-@pytest.mark.xfail(_has_amx(), reason="bfloat16 schedules differ by ~0.1 nats on AMX CPUs (not yet explained)",
+@pytest.mark.xfail(has_amx(), reason="bfloat16 schedules differ by ~0.1 nats on AMX CPUs (not yet explained)",
                    strict=False)
 def test_a_prompt_s_first_token_does_not_depend_on_the_prefix_cache(default_gguf):
     """bfloat16, the default: a chat prompt of 37 tokens computed whole, then again with 32 of them from the
