@@ -391,12 +391,12 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
         calling = mode != "none" and bool(fns)
         thinking = reasoning.kind_for(body.chat_template or state.tokenizer.chat_template,
                                       getattr(state.args, "reasoning_parser", None))
+        tool_text = calling and thinking != "harmony"  # calls written in the tool format (harmony's parser reads its own)
         if thinking == "harmony" and calling and mode != "auto":
             raise APIError(400, "tool_choice must be auto for a model that writes the harmony format (its calls "
                                 "are not constrained)", param="tool_choice")
         try:
-            tool_spec = (tools.constraint(mode, names, fns, body.parallel_tool_calls, fmt)
-                         if calling and thinking != "harmony" else None)
+            tool_spec = tools.constraint(mode, names, fns, body.parallel_tool_calls, fmt) if tool_text else None
         except ValueError as e:
             raise APIError(400, f"the tools' schemas: {e}", param="tools") from None
         try:
@@ -451,7 +451,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             sent_tokens: dict[int, int] = {}
             finished: set[int] = set()
             parsers = {i: reasoning.Reply(reasoning.new_parser(thinking, prompt) if thinking else None,
-                                          tools.StreamParser(fmt) if calling and thinking != "harmony" else None)
+                                          tools.StreamParser(fmt) if tool_text else None)
                        for i in range(body.n)} if calling or thinking else {}
             pending_from: dict[int, int] = {}  # first token whose logprobs have not gone out (tools)
             final = None
@@ -510,7 +510,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             fields = reasoning.parse(reasoning.new_parser(thinking, prompt), c.text)
         else:
             fields = {"content": c.text}
-        if calling and thinking != "harmony" and fields["content"]:
+        if tool_text and fields["content"]:
             content, calls = tools.parse(fields["content"], fmt)
             if calls:
                 fields.update(content=content, tool_calls=calls)

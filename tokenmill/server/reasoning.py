@@ -92,7 +92,7 @@ def after_thinking(spec, prompt: str):
         if not isinstance(tag, dict) or "format" not in tag:
             return spec  # xgrammar's older tag form: left as it is
         inner = tag["format"]
-    inside = ThinkParser.after(prompt).state == "inside"
+    inside = _opened(prompt)
     think = {"type": "tag", "begin": "" if inside else THINK_OPEN, "content": {"type": "any_text"}, "end": THINK_CLOSE}
     if not inside:
         think = {"type": "optional", "content": think}
@@ -108,7 +108,12 @@ def new_parser(kind: str, prompt: str = ""):
     return HarmonyParser() if kind == "harmony" else ThinkParser.after(prompt)
 
 
-def _partial_tail(text: str, markers: tuple[str, ...]) -> int:
+def _opened(prompt: str) -> bool:
+    """Whether the prompt ends inside a <think> it opened."""
+    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+
+
+def partial_tail(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of text could begin one of the markers (held back while streaming)."""
     best = 0
     for m in markers:
@@ -132,7 +137,7 @@ class ThinkParser:
     @classmethod
     def after(cls, prompt: str) -> "ThinkParser":
         """A parser for the output that follows this prompt: inside a tag the prompt left open."""
-        return cls(inside=prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE))
+        return cls(inside=_opened(prompt))
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         deltas: list[dict] = []
@@ -150,7 +155,7 @@ class ThinkParser:
                     self.state = "content"
             elif self.state == "inside":
                 at = rest.find(THINK_CLOSE)
-                upto = at if at >= 0 else len(rest) - (0 if final else _partial_tail(rest, (THINK_CLOSE,)))
+                upto = at if at >= 0 else len(rest) - (0 if final else partial_tail(rest, (THINK_CLOSE,)))
                 if upto > 0:
                     deltas.append({"reasoning_content": rest[:upto]})
                 self.sent += upto
@@ -170,6 +175,7 @@ class ThinkParser:
 
 
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+_ENDS = (END, RETURN, CALL, START)  # what ends a message's text (START: a message begun without <|end|>)
 _HEADS = ("<|", " to=")  # how a message's header can begin (the prompt may end with its role)
 
 
@@ -219,9 +225,9 @@ class HarmonyParser:
                 self.sent += at + len(MESSAGE)
                 self.in_body = True
                 continue
-            ends = [i for i in (rest.find(m) for m in (END, RETURN, CALL, START)) if i >= 0]
+            ends = [i for i in (rest.find(m) for m in _ENDS) if i >= 0]
             at = min(ends) if ends else -1
-            upto = at if at >= 0 else len(rest) - (0 if final else _partial_tail(rest, (END, RETURN, CALL, START)))
+            upto = at if at >= 0 else len(rest) - (0 if final else partial_tail(rest, _ENDS))
             if upto > 0:
                 deltas.append(self._text(rest[:upto]))
             self.sent += upto
@@ -229,7 +235,7 @@ class HarmonyParser:
                 if final:
                     self._close()
                 break
-            marker = next(m for m in (END, RETURN, CALL, START) if rest.startswith(m, at))
+            marker = next(m for m in _ENDS if rest.startswith(m, at))
             if marker != START:  # a message begun without its <|end|> keeps the marker for its header
                 self.sent += len(marker)
             self._close()

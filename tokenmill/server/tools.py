@@ -18,6 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from tokenmill.server.reasoning import partial_tail
 from tokenmill.structured.params import StructuredOutputsParams
 
 _NAME = r'"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*'
@@ -283,8 +284,7 @@ class StreamParser:
             at = text.find(start, self.sent)
             if at < 0:
                 # hold back what may be the start of a call
-                keep = 0 if final else next((k for k in range(min(len(start) - 1, len(text) - self.sent), 0, -1)
-                                             if text.endswith(start[:k])), 0)
+                keep = 0 if final else partial_tail(text[self.sent:], (start,))
                 piece = text[self.sent:len(text) - keep]
                 if piece:
                     deltas.append({"content": piece})
