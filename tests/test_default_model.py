@@ -141,9 +141,10 @@ def test_prompt_logprobs_of_the_quantized_file_are_the_dequantized_model_s(hf_gg
 
 # On a CPU with AMX the two bfloat16 schedules' first-token logprobs part by 0.08-0.10 nats (seen on a 2-core
 # Xeon). torch's bfloat16 GEMM (oneDNN) there picks its kernel by the row count and rounds some rows' outputs
-# one bfloat16 step apart (the same 16 rows alone, and as the first 16 of 48, differ by 0.0625 at a magnitude
-# near 16), and the layers carry that on. Elsewhere the bfloat16 schedules agree within 1e-3. In float32 (MKL)
-# they agreed within 1e-5 on that Xeon too: that case checks the prompt rows' float inputs on every CPU.
+# one bfloat16 step apart (random rows 576 wide through a 2048 x 576 matrix: 16 rows alone against the same
+# rows as the first 16 of 48 differ by up to 0.0625), and the layers carry that on. Elsewhere the bfloat16
+# schedules agree within 1e-3. In float32 (MKL) they agreed within 1e-5 on that Xeon too: that case checks
+# the prompt rows' float inputs on every CPU.
 @pytest.mark.parametrize("dtype", [
     pytest.param("bfloat16", marks=pytest.mark.xfail(
         has_amx(), strict=False, reason="torch's bfloat16 GEMM rounds by row count on AMX CPUs (~0.1 nats)")),
