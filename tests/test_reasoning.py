@@ -225,6 +225,35 @@ def test_reasoning_content_against_the_raw_completion(server, default_gguf, rege
     assert pieces > 3  # token by token, not one piece at the end
 
 
+def test_include_reasoning_false_returns_the_answer_alone(server, default_gguf):
+    """include_reasoning: false (vLLM's switch): the same answer as the raw text split by hand, with no
+    reasoning in the message or in any streamed delta."""
+    import openai
+
+    regex = f"<think>{THOUGHT}</think>\n\n{ANSWER}"
+    raw = httpx.post(server.url + "/v1/completions", json={
+        "prompt": _rendered(default_gguf, MESSAGES), "max_tokens": 80, "temperature": 0,
+        "guided_regex": regex}, timeout=120).json()["choices"][0]["text"]
+    want_answer = raw.partition("</think>\n\n")[2]
+    assert want_answer
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    model = client.models.list().data[0].id
+    extra = {"guided_regex": regex, "chat_template": THINK_TEMPLATE, "include_reasoning": False}
+    msg = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=80, temperature=0,
+                                         extra_body=extra).choices[0].message
+    assert msg.content == want_answer
+    assert not {"reasoning_content", "reasoning"} & set(msg.model_extra or {})
+    answer, pieces = "", 0
+    for ev in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=80, temperature=0,
+                                             stream=True, extra_body=extra):
+        if not ev.choices:
+            continue
+        assert not {"reasoning_content", "reasoning"} & set(ev.choices[0].delta.model_extra or {})
+        answer += ev.choices[0].delta.content or ""
+        pieces += 1
+    assert answer == want_answer and pieces > 3
+
+
 def test_template_kwargs_and_earlier_reasoning_reach_the_template(server, default_gguf):
     from tokenmill.server.openai_routes import chat_prompt
     from tokenmill.server.protocol import ChatCompletionRequest

@@ -474,9 +474,11 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                             deltas = parsers[c.index].feed(c.text, final=c.finish_reason is not None)
                             if not deltas:  # text held back: its logprobs go with the next piece
                                 pending_from.setdefault(c.index, start)
-                            for d in deltas:
+                            for d in deltas:  # a reasoning piece not shown takes its logprobs with it
                                 pending_from.pop(c.index, None)
-                                yield chunk([{"index": c.index, "delta": reasoning.with_alias(d), "logprobs": lp,
+                                if (d := reasoning.shown(d, body.include_reasoning)) is None:
+                                    continue
+                                yield chunk([{"index": c.index, "delta": d, "logprobs": lp,
                                               "finish_reason": None}], usage)
                                 lp = None
                         elif delta or body.logprobs:
@@ -487,8 +489,9 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
                         reason = c.finish_reason
                         if parsers:
                             for d in parsers[c.index].feed(c.text, final=True):
-                                yield chunk([{"index": c.index, "delta": reasoning.with_alias(d), "logprobs": None,
-                                              "finish_reason": None}], usage)
+                                if (d := reasoning.shown(d, body.include_reasoning)) is not None:
+                                    yield chunk([{"index": c.index, "delta": d, "logprobs": None,
+                                                  "finish_reason": None}], usage)
                             if parsers[c.index].calls:
                                 reason = "tool_calls"
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
@@ -514,7 +517,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
             content, calls = tools.parse(fields["content"], fmt)
             if calls:
                 fields.update(content=content, tool_calls=calls)
-        msg = {"role": "assistant", **reasoning.with_alias(fields)}
+        msg = {"role": "assistant", **(reasoning.shown(fields, body.include_reasoning) or {})}
         return msg, "tool_calls" if msg.get("tool_calls") else c.finish_reason
 
     choices = []

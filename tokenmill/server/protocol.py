@@ -186,6 +186,7 @@ class ChatCompletionRequest(_SamplingBody):
     parallel_tool_calls: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the template (enable_thinking)
     reasoning_effort: Optional[Literal["low", "medium", "high"]] = None  # the template's reasoning_effort
+    include_reasoning: bool = True  # False: the reasoning is parsed off and not returned (vLLM's switch)
 
     def template_kwargs(self) -> dict[str, Any]:
         """Variables the chat template gets besides messages and tools; FieldError for a reserved name."""

@@ -281,6 +281,15 @@ def with_alias(delta: dict) -> dict:
     return delta
 
 
+def shown(delta: dict, include_reasoning: bool) -> dict | None:
+    """A delta as the client gets it: with its reasoning under both names, or (include_reasoning false)
+    without it; None where nothing is left to send."""
+    if include_reasoning:
+        return with_alias(delta)
+    rest = {k: v for k, v in delta.items() if k != "reasoning_content"}
+    return rest or None
+
+
 
 class Reply:
     """One chat choice's growing text as deltas: the reasoning parser (if any) splits off the reasoning,
