@@ -273,22 +273,15 @@ def merge(deltas: list[dict]) -> dict:
     return message
 
 
-def with_alias(delta: dict) -> dict:
-    """A delta or message with its reasoning under both names clients read: reasoning_content (DeepSeek's
-    API, llama-server, older vLLM) and reasoning (newer vLLM)."""
+def shown(delta: dict, include_reasoning: bool) -> dict | None:
+    """A delta or message as the client gets it: its reasoning under both names clients read,
+    reasoning_content (DeepSeek's API, llama-server, older vLLM) and reasoning (newer vLLM); or, with
+    include_reasoning false, without it. None where nothing is left to send."""
+    if not include_reasoning:
+        return {k: v for k, v in delta.items() if k != "reasoning_content"} or None
     if "reasoning_content" in delta:
         delta = {**delta, "reasoning": delta["reasoning_content"]}
     return delta
-
-
-def shown(delta: dict, include_reasoning: bool) -> dict | None:
-    """A delta as the client gets it: with its reasoning under both names, or (include_reasoning false)
-    without it; None where nothing is left to send."""
-    if include_reasoning:
-        return with_alias(delta)
-    rest = {k: v for k, v in delta.items() if k != "reasoning_content"}
-    return rest or None
-
 
 
 class Reply:
