@@ -51,9 +51,11 @@ def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
     return data.reshape(n, -1)
 
 
-def quantized_activation(x: np.ndarray) -> np.ndarray:
-    """The activations the kernel multiplies: int8 blocks of 32, d = max|x| / 127, round to nearest even."""
-    b = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def quantized_activation(x: np.ndarray, qtype=None) -> np.ndarray:
+    """The activations the kernel multiplies: int8 blocks of 32, d = max|x| / 127, round to nearest even.
+    Against the K formats' rows, max|x| is taken over each 256 values (one scale per super-block)."""
+    group = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and x.shape[1] % 256 == 0 else 32
+    b = x.astype(np.float32).reshape(x.shape[0], -1, group)
     amax = np.abs(b).max(-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.rint(b * inv)
@@ -96,7 +98,7 @@ def test_matmul_matches_float64(kernels, qtype, batch):
         w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
         got = w.matmul(torch.from_numpy(x)).numpy()
         # Exactly what the kernel computes, up to float32 accumulation: tight.
-        xk = quantized_activation(x) if int8_inputs else x.astype(np.float64)
+        xk = quantized_activation(x, qtype) if int8_inputs else x.astype(np.float64)
         exact = xk @ w64.T
         scale = np.abs(xk) @ np.abs(w64).T + 1e-30
         assert np.max(np.abs(got - exact) / scale) < 2e-5, (n, k)
@@ -134,7 +136,7 @@ def test_bfloat16_rows_below_the_float_path_take_int8_inputs(kernels):
         w = quant.QuantizedWeight.from_blocks(int(qtype), (n, k), torch.from_numpy(data))
         x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
         got = w.matmul(x).double().numpy()
-        xk = quantized_activation(x.float().numpy())
+        xk = quantized_activation(x.float().numpy(), qtype)
         w64 = gguf.quants.dequantize(data, qtype).reshape(n, k).astype(np.float64)
         exact = xk @ w64.T
         scale = np.abs(xk) @ np.abs(w64).T + 1e-30

@@ -1066,6 +1066,7 @@ struct Matrix {
   std::vector<torch::Tensor> tensors;
   int64_t N = 0, K = 0;
   bool quantized = false;  // some part is in a block format: its input is quantized first
+  bool per256 = false;     // some part is in a K format: its input is also rounded with one scale per 256
 };
 using PartList = std::vector<std::pair<torch::Tensor, int64_t>>;  // (tensor, GGML type) per row range
 
@@ -1089,6 +1090,7 @@ Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
                   ": a type ", type, " part must be uint8 [rows, ", K / f.block * f.bytes, "]");
       p.row_bytes = t.size(1);
       m.quantized = true;
+      m.per256 |= tmq::wants_per256((int)type) && K % tmq::QKK == 0;
     }
     p.r1 = m.N += t.size(0);
     p.data = reinterpret_cast<const char*>(t.data_ptr());
@@ -1098,15 +1100,29 @@ Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
   return m;
 }
 
-// Activation rows quantized to int8 in blocks of 32 (tmq::QRow), the input of the block formats' kernels.
+// Activation rows quantized to int8 in blocks of 32 (tmq::QRow), the input of the block formats' kernels;
+// with per256, also with one scale per 256 values for the matrix's K-format parts (tmq::wants_per256).
+// Each part so takes its input rounded as the module-by-module product (quant_product.h) rounds it.
 struct QInput {
-  std::vector<int8_t> q, q4;
-  std::vector<float> d, s, f;
+  struct Rounding {
+    std::vector<int8_t> q, q4;
+    std::vector<float> d, s;
+    std::vector<int16_t> sums16;
+    void set(const float* x, int64_t m, int64_t M, int64_t K, bool per256) {
+      const int64_t nb = K / tmq::QK;
+      if (m == 0) q.resize(M * K), q4.resize(M * K), d.resize(M * nb), s.resize(M * nb), sums16.resize(per256 ? M * K / 16 : 0);
+      tmq::quantize_activation_row(x, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb, per256,
+                                   per256 ? sums16.data() + m * K / 16 : nullptr);
+      tmq::quad_order(q.data() + m * K, K, q4.data() + m * K);
+    }
+  };
+  Rounding r32, r256;
+  std::vector<float> f;
   std::vector<tmq::QRow> rows;
   template <typename T>
-  void set(const T* x, int64_t M, int64_t K) {
+  void set(const T* x, int64_t M, int64_t K, bool per256) {
     const int64_t nb = K / tmq::QK;
-    q.resize(M * K), q4.resize(M * K), d.resize(M * nb), s.resize(M * nb), rows.resize(M);
+    rows.resize(M);
     if constexpr (!kIsFloat<T>) f.resize(K);
     for (int64_t m = 0; m < M; ++m) {
       const float* xr;
@@ -1116,9 +1132,14 @@ struct QInput {
         for (int64_t k = 0; k < K; ++k) f[k] = from_bf16(x[m * K + k]);
         xr = f.data();
       }
-      tmq::quantize_activation_row(xr, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
-      tmq::quad_order(q.data() + m * K, K, q4.data() + m * K);
-      rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb, q4.data() + m * K};
+      r32.set(xr, m, M, K, false);
+      rows[m] = {r32.q.data() + m * K, r32.d.data() + m * nb, r32.s.data() + m * nb, r32.q4.data() + m * K};
+      if (per256) {
+        r256.set(xr, m, M, K, true);
+        tmq::QRow& r = rows[m];
+        r.q256 = r256.q.data() + m * K, r.q4_256 = r256.q4.data() + m * K, r.d256 = r256.d.data() + m * nb;
+        r.s256 = r256.s.data() + m * nb, r.b256 = r256.sums16.data() + m * K / 16;
+      }
     }
   }
 };
@@ -1275,6 +1296,7 @@ struct MoEWeights {
   Matrix shared_gate_up, shared_down, shared_gate;  // shared_gate.N == 0: no shared expert
   int64_t shared_I = 0;
   bool quantized_input = false;  // a matrix that reads the normed input is in a block format
+  bool per256_input = false;     // and one of those wants one input scale per 256 (Matrix::per256)
   int64_t experts() const { return (int64_t)gate_up.size(); }
   bool shared() const { return shared_gate.N > 0; }
 };
@@ -1584,6 +1606,8 @@ class FusedDecoder {
     }
     moe->quantized_input = moe->router.quantized || moe->shared_gate.quantized || moe->shared_gate_up.quantized ||
                            std::any_of(moe->gate_up.begin(), moe->gate_up.end(), [](const Matrix& m) { return m.quantized; });
+    moe->per256_input = moe->router.per256 || moe->shared_gate.per256 || moe->shared_gate_up.per256 ||
+                        std::any_of(moe->gate_up.begin(), moe->gate_up.end(), [](const Matrix& m) { return m.per256; });
     L.moe = std::move(moe);
     streams_.clear();
   }
@@ -2037,7 +2061,7 @@ class FusedDecoder {
     const int64_t j0 = B * H_ * w / n, j1 = B * H_ * (w + 1) / n;
     T *qkv = buf.qkv.data(), *gu = buf.gu.data(), *act = buf.act.data();
     auto input = [&](const Matrix& W, const T* x) {
-      if (W.quantized) ts.xq.set(x, B, W.K);
+      if (W.quantized) ts.xq.set(x, B, W.K, W.per256);
     };
     for (size_t li = 0; li < layers_.size(); ++li) {
       const LayerWeights<T>& L = layers_[li];
@@ -2109,7 +2133,7 @@ class FusedDecoder {
     const int64_t E = M.experts(), I = M.I, SI = M.shared_I, H = hidden_;
     Routing& r = ts.routing;
     std::vector<Segment>& segs = ts.segs;
-    if (M.quantized_input) ts.xq.set(h, B, H);
+    if (M.quantized_input) ts.xq.set(h, B, H, M.per256_input);
     segs.clear();
     matrix_segments(M.router, 0, E, segs);
     if (M.shared()) matrix_segments(M.shared_gate, 0, 1, segs);
@@ -2151,14 +2175,17 @@ class FusedDecoder {
     barrier.wait(n);
     const auto [o0, o1] = share(H, w, n);
     segs.clear();
-    bool quantized = false;
+    bool quantized = false, per256 = false;
     for (int64_t e = 0; e < E; ++e)
-      if (active(e)) matrix_segments(M.down[e], o0, o1, segs), quantized |= M.down[e].quantized;
+      if (active(e)) {
+        matrix_segments(M.down[e], o0, o1, segs);
+        quantized |= M.down[e].quantized, per256 |= M.down[e].per256;
+      }
     if (M.shared()) matrix_segments(M.shared_down, o0, o1, segs);
     T* out = buf.pairs_out.data();
     {
       Walks walks(segs, B, false);
-      if (quantized) ts.xq.set(act, P, I);
+      if (quantized) ts.xq.set(act, P, I, per256);
       for (int64_t e = 0; e < E; ++e) {
         if (!active(e)) continue;
         const int64_t p0 = r.start[e], m = r.start[e + 1] - p0;
@@ -2166,7 +2193,7 @@ class FusedDecoder {
                     out + p0 * H, false, walks);
       }
       if (M.shared()) {
-        if (M.shared_down.quantized) ts.xq.set(buf.shared_act.data(), B, SI);
+        if (M.shared_down.quantized) ts.xq.set(buf.shared_act.data(), B, SI, M.shared_down.per256);
         matrix_rows(M.shared_down, buf.shared_act.data(), ts.xq, B, o0, o1, static_cast<const T*>(nullptr),
                     buf.shared_out.data(), false, walks);
       }
@@ -2190,7 +2217,7 @@ class FusedDecoder {
                                           Walks& walks, ThreadState& ts) {
     T* h = buf.normed.data() + w * B * hidden_;
     rms_norm_rows(x, data(final_norm_), h, B, hidden_, eps_, norm_offset_, norm_in_float_);
-    if (head_.quantized) ts.xq.set(h, B, hidden_);
+    if (head_.quantized) ts.xq.set(h, B, hidden_, head_.per256);
     const auto [v0, v1] = share(head_.N, w, n);
     matrix_rows(head_, h, ts.xq, B, v0, v1, static_cast<const T*>(nullptr), logits, false, walks);
     if (final_softcap_ > 0.f)

@@ -42,6 +42,10 @@
 #define TM_QUANT_VNNI 1
 #endif
 
+// The small helpers of the inner loops: inlined always. The compiler otherwise leaves some out of the larger
+// instantiations and calls them through the PLT, once per super-block.
+#define TM_INLINE inline __attribute__((always_inline))
+
 namespace tmq {
 
 // GGML type ids (gguf.GGMLQuantizationType).
@@ -104,7 +108,7 @@ struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "block size");
 
-inline float fp16(uint16_t h) {
+TM_INLINE float fp16(uint16_t h) {
 #ifdef __F16C__
   return _cvtsh_ss(h);
 #else
@@ -587,7 +591,19 @@ struct QRow {
   const float* d;
   const float* s;
   const int8_t* q4 = nullptr;
+  // The same row quantized with one scale per 256 values (quantize_activation_row's per256): q256, and its
+  // blocks in quad order q4_256, d256 and s256 per block as d and s, b256 the integer sum of each 16 values.
+  // Where given, the K formats' rows take these.
+  const int8_t* q256 = nullptr;
+  const int8_t* q4_256 = nullptr;
+  const float* d256 = nullptr;
+  const float* s256 = nullptr;
+  const int16_t* b256 = nullptr;
 };
+
+// The K formats' rows multiply inputs with one scale per 256 values: a super-block's integer sub-block
+// products then sum in int32 before a single float multiply. Every other format takes a scale per 32.
+inline bool wants_per256(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 // q4 = q with blocks 4j + 1 and 4j + 2 swapped in every whole group of four blocks (the rest left out): the
 // 64 bytes of one load of a 4-bit row hold blocks 4j, 4j + 2 in their low nibbles and 4j + 1, 4j + 3 in
@@ -603,32 +619,47 @@ inline void quad_order(const int8_t* q, int64_t K, int8_t* q4) {
   }
 }
 
-// d = max|x| / 127, q = round-to-nearest-even(x * (127 / max|x|)); an all-zero block gets d = 0.
-inline void quantize_activation_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const float* xb = x + b * QK;
+// d = max|x| / 127, q = round-to-nearest-even(x * (127 / max|x|)); an all-zero block gets d = 0. With
+// per256 (K a multiple of 256), max|x| is taken over each 256 values, so their 8 blocks share one d: an
+// integer sum over a K-format super-block then needs no float scale per block (as llama.cpp's Q8_K).
+// sums16, where given: the integer sum of each 16 values of q.
+inline void quantize_activation_row(const float* x, int64_t K, int8_t* q, float* d, float* s, bool per256 = false,
+                                    int16_t* sums16 = nullptr) {
+  const int group = per256 && K % 256 == 0 ? 8 : 1;
+  for (int64_t g = 0; g < K / QK; g += group) {
     float amax = 0.f;
+    for (int64_t b = g; b < g + group; ++b) {
+      const float* xb = x + b * QK;
 #ifdef TM_QUANT_AVX512
-    __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
-    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-    float inv = amax > 0.f ? 127.f / amax : 0.f;
-    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));
-    __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
-    _mm_storeu_si128((__m128i*)(q + b * QK), _mm512_cvtsepi32_epi8(i0));
-    _mm_storeu_si128((__m128i*)(q + b * QK + 16), _mm512_cvtsepi32_epi8(i1));
-    int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+      __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+      amax = std::fmax(amax, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1))));
 #else
-    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int i = 0; i < QK; ++i) {
-      int v = (int)std::nearbyint(xb[i] * inv);
-      q[b * QK + i] = (int8_t)v;
-      sum += v;
-    }
+      for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
 #endif
-    d[b] = amax / 127.f;
-    s[b] = d[b] * (float)sum;
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t b = g; b < g + group; ++b) {
+      const float* xb = x + b * QK;
+#ifdef TM_QUANT_AVX512
+      __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), _mm512_set1_ps(inv)));
+      __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), _mm512_set1_ps(inv)));
+      _mm_storeu_si128((__m128i*)(q + b * QK), _mm512_cvtsepi32_epi8(i0));
+      _mm_storeu_si128((__m128i*)(q + b * QK + 16), _mm512_cvtsepi32_epi8(i1));
+      const int sum0 = sums16 ? _mm512_reduce_add_epi32(i0) : 0;
+      const int sum = sums16 ? sum0 + _mm512_reduce_add_epi32(i1) : _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+      int sum0 = 0, sum = 0;
+      for (int i = 0; i < QK; ++i) {
+        int v = (int)std::nearbyint(xb[i] * inv);
+        q[b * QK + i] = (int8_t)v;
+        sum += v;
+        if (i == 15) sum0 = sum;
+      }
+#endif
+      if (sums16) sums16[2 * b] = (int16_t)sum0, sums16[2 * b + 1] = (int16_t)(sum - sum0);
+      d[b] = amax / 127.f;
+      s[b] = d[b] * (float)sum;
+    }
   }
 }
 
@@ -640,14 +671,15 @@ inline void dot_generic(int type, const uint8_t* row, const QRow* x, int64_t K, 
   thread_local std::vector<float> w;
   if ((int64_t)w.size() < K) w.resize(K);
   dequantize_row(type, row, w.data(), K);
+  const bool per256 = wants_per256(type) && x[0].q256;
   for (int r = 0; r < R; ++r) {
     float acc = 0.f;
     for (int64_t b = 0; b < K / QK; ++b) {
-      const int8_t* q = x[r].q + b * QK;
+      const int8_t* q = (per256 ? x[r].q256 : x[r].q) + b * QK;
       const float* wb = w.data() + b * QK;
       float part = 0.f;
       for (int i = 0; i < QK; ++i) part += wb[i] * q[i];
-      acc += part * x[r].d[b];
+      acc += part * (per256 ? x[r].d256 : x[r].d)[b];
     }
     out[r] = acc;
   }
@@ -657,7 +689,7 @@ inline void dot_generic(int type, const uint8_t* row, const QRow* x, int64_t K, 
 
 // 16 int32 lanes, each the sum of 4 adjacent products of unsigned bytes u with signed bytes s. The two
 // ways give the same sums: the weights' unsigned values are at most 63, so no 16-bit pair saturates.
-inline __m512i dot4(__m512i u, __m512i s) {
+TM_INLINE __m512i dot4(__m512i u, __m512i s) {
 #ifdef TM_QUANT_VNNI
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
 #else
@@ -666,7 +698,7 @@ inline __m512i dot4(__m512i u, __m512i s) {
 }
 
 // 64 bytes [low nibbles of q | high nibbles of q].
-inline __m512i nibbles(__m256i q) {
+TM_INLINE __m512i nibbles(__m256i q) {
   const __m256i m = _mm256_set1_epi8(0xF);
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m)),
                             _mm256_and_si256(_mm256_srli_epi16(q, 4), m), 1);
@@ -674,15 +706,15 @@ inline __m512i nibbles(__m256i q) {
 
 // Lanes 0-7 take element 2k of a vector of per-block scales, lanes 8-15 element 2k + 1: the scales of the
 // two 32-element blocks one 64-byte product covers.
-inline __m512 pair_scales(__m512 v, int k) {
+TM_INLINE __m512 pair_scales(__m512 v, int k) {
   const __m512i lo = _mm512_set1_epi32(2 * k), hi = _mm512_set1_epi32(2 * k + 1);
   return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xFF00, lo, hi), v);
 }
 
-inline float hsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+TM_INLINE float hsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
 // v in the low half, zeros in the high one (a cast leaves the high half undefined: SIMDe fills it).
-inline __m512 zext(__m256 v) {
+TM_INLINE __m512 zext(__m256 v) {
   return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_castps_si256(v), 0));
 }
 
@@ -760,7 +792,7 @@ inline void dot_q8_0_vnni(const uint8_t* row, const QRow* x, int64_t K, float* o
 // The fifth bits of two blocks as a mask over the 64 bytes that hold them: bit i of the first block's word
 // for byte i, of the second's for byte 32 + i. (The words are read byte-wise: a repacked row's need not be
 // 4-byte aligned.)
-inline __mmask64 fifth_bits_mask(const uint32_t* first, const uint32_t* second) {
+TM_INLINE __mmask64 fifth_bits_mask(const uint32_t* first, const uint32_t* second) {
   uint32_t a, b;
   std::memcpy(&a, first, 4);
   std::memcpy(&b, second, 4);
@@ -855,7 +887,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
 }
 
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block as 16 bytes [sc 0..7 | m 0..7].
-inline __m128i scales_mins_k4(const uint8_t* s) {
+TM_INLINE __m128i scales_mins_k4(const uint8_t* s) {
   uint32_t w[3];
   std::memcpy(w, s, 12);
   uint32_t sc_lo = w[0] & 0x3f3f3f3f, m_lo = w[1] & 0x3f3f3f3f;
@@ -864,84 +896,115 @@ inline __m128i scales_mins_k4(const uint8_t* s) {
   return _mm_set_epi32((int)m_hi, (int)m_lo, (int)sc_hi, (int)sc_lo);
 }
 
-// Q4_K and Q5_K: w = d sc_j q - dmin m_j per 32-element sub-block j of a 256-element super-block.
+// int32 lanes of p (each |p| < 2^15) times the signed 16-bit values in the low halves of sc's int32 lanes
+// (their high halves zero), added to acc: p read as int16 pairs (value, sign), sc as (value, 0), whose pair
+// products sum to p * sc.
+TM_INLINE __m512i add_scaled(__m512i acc, __m512i p, __m512i sc) {
+#ifdef TM_QUANT_VNNI
+  return _mm512_dpwssd_epi32(acc, p, sc);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+#endif
+}
+
+// Q4_K and Q5_K: w = d sc_j q - dmin m_j per 32-element sub-block j of a 256-element super-block, against
+// inputs with one scale per 256 (QRow's q4_256, d256, s256). A sub-block's byte products (at most 4 * 31 *
+// 127 per lane) times its 6-bit scale sum in int32 over the super-block, which then takes one float
+// multiply. A 64-byte load holds sub-blocks 4h, 4h + 2 (low nibbles) and 4h + 1, 4h + 3 (high ones).
 template <int R, bool FIVE>
 inline void dot_q45_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   __m512 acc[R];
   __m256 off[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
   const int size = FIVE ? 176 : 144;
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  // the scale lanes of each product vector: sub-block 4h + i in lanes 0-7, 4h + i + 2 in lanes 8-15
+  const __m512i pick[4] = {_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+                           _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
+                           _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
+                           _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
   for (int64_t b = 0; b < K / QKK; ++b) {
     const uint8_t* blk = row + b * size;
-    const __m256 d = _mm256_set1_ps(fp16(*(const uint16_t*)blk)), dmin = _mm256_set1_ps(fp16(*(const uint16_t*)(blk + 2)));
     const uint8_t* qs = blk + (FIVE ? 48 : 16);
-    __m128i scm = scales_mins_k4(blk + 4);
-    __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scm)));
-    __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8))));
-    const int64_t a0 = b * (QKK / QK);  // the first activation block
-    __m512 scale[R];
+    const __m128i scm = scales_mins_k4(blk + 4);
+    const __m512i sc = _mm512_cvtepu8_epi32(scm);  // lanes 0-7 the scales (8-15 the mins, unused here)
+    const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(fp16(*(const uint16_t*)(blk + 2))),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8))));
+    const int64_t a0 = b * (QKK / QK);
+    __m512i isum[R];
     for (int r = 0; r < R; ++r) {
-      scale[r] = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(x[r].d + a0)));
-      off[r] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(x[r].s + a0), off[r]);
+      isum[r] = _mm512_setzero_si512();
+      off[r] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(x[r].s256 + a0), off[r]);
     }
-    __m256i hbits = FIVE ? _mm256_loadu_si256((const __m256i*)(blk + 16)) : _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      __m512i wv = nibbles(_mm256_loadu_si256((const __m256i*)(qs + 32 * j)));
-      if (FIVE) {
-        const __m256i one = _mm256_set1_epi8(1);
-        __m256i lo = _mm256_and_si256(hbits, one), hi = _mm256_and_si256(_mm256_srli_epi16(hbits, 1), one);
-        __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        wv = _mm512_or_si512(wv, _mm512_slli_epi16(h, 4));
-        hbits = _mm256_srli_epi16(hbits, 2);
+    __m512i hb;
+    if (FIVE) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16)));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_loadu_si512((const void*)(qs + 64 * h));
+      __m512i w[2] = {_mm512_and_si512(q, m4), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4)};
+      if (FIVE) {  // bit k of the high-bit byte i: the fifth bit of element i of sub-block k
+        const __m512i c16 = _mm512_set1_epi8(16);
+        for (int i = 0; i < 2; ++i) {
+          const int k = 4 * h + i;
+          const __m512i bit = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8((char)(1 << k)), _mm512_set1_epi8((char)(1 << (k + 2))));
+          w[i] = _mm512_mask_add_epi8(w[i], _mm512_test_epi8_mask(hb, bit), w[i], c16);
+        }
       }
+      const __m512i s0 = _mm512_permutexvar_epi32(pick[2 * h], sc), s1 = _mm512_permutexvar_epi32(pick[2 * h + 1], sc);
       for (int r = 0; r < R; ++r) {
-        __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (a0 + 2 * j) * QK));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot4(wv, xv)), pair_scales(scale[r], j), acc[r]);
+        const int8_t* xq = x[r].q4_256 + (a0 + 4 * h) * QK;
+        isum[r] = add_scaled(isum[r], dot4(w[0], _mm512_loadu_si512((const void*)xq)), s0);
+        isum[r] = add_scaled(isum[r], dot4(w[1], _mm512_loadu_si512((const void*)(xq + 2 * QK))), s1);
       }
     }
+    const float d = fp16(*(const uint16_t*)blk);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * x[r].d256[a0]), acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], zext(off[r]));
 }
 
-// Q6_K: w = d sc_i (q - 32) per 16-element sub-block i; q has 4 low bits in ql and 2 high bits in qh.
+// Q6_K: w = d sc_i (q - 32) per 16-element sub-block i, q's 4 low bits in ql and 2 high bits in qh; against
+// inputs with one scale per 256 (QRow's q256, d256, b256). As Q4_K's above, the sub-blocks' byte products
+// (at most 4 * 63 * 127 per lane) times their signed 8-bit scales sum in int32 over the super-block; the
+// codes' offset of 32 comes off once per super-block through the inputs' sums of 16.
 template <int R>
 inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  // lane i of a 32-lane int16 vector covers elements 2i, 2i+1: scale index i / 8 (+ the quarter's first)
-  alignas(64) static const int16_t idx_init[4][32] = {
-      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
-      {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
-      {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
-       14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
-  const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3), c32 = _mm512_set1_epi8(32);
+  const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3), low16 = _mm512_set1_epi32(0xFFFF);
+  // the scale lanes of each product vector: four lanes (16 values) per sub-block
+  const __m512i pick[4] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                           _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
+                           _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
+                           _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
   for (int64_t b = 0; b < K / QKK; ++b) {
     const BlockQ6_K* blk = (const BlockQ6_K*)(row + b * 210);
-    const __m256 d = _mm256_set1_ps(fp16(blk->d));
-    __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk->scales)));
+    const __m128i sc8 = _mm_loadu_si128((const __m128i*)blk->scales);
+    const __m512i sc = _mm512_and_si512(_mm512_cvtepi8_epi32(sc8), low16);  // (scale, 0) as int16 pairs
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
     const int64_t a0 = b * (QKK / QK);
-    __m512 scale[R];
-    for (int r = 0; r < R; ++r) scale[r] = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(x[r].d + a0)));
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) {  // - 32 sum_i sc_i (sum of sub-block i's inputs)
+      const __m256i m = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(x[r].b256 + b * 16)));
+      isum[r] = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5)), 0);
+    }
     for (int h = 0; h < 2; ++h) {
-      __m512i ql = _mm512_loadu_si512((const void*)(blk->ql + 64 * h));
-      __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
-      __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-      __m512i qa = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(hh, m2), 4));
-      __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m2), 4));
-      __m512i sa = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)idx_init[2 * h]), sc16);
-      __m512i sb = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)idx_init[2 * h + 1]), sc16);
-      const int64_t ab = a0 + 4 * h;  // activation blocks ab..ab+3 for this half
+      const __m512i ql = _mm512_loadu_si512((const void*)(blk->ql + 64 * h));
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
+      const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      const __m512i qa = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(hh, m2), 4));
+      const __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m2), 4));
+      const __m512i sa = _mm512_permutexvar_epi32(pick[2 * h], sc), sb = _mm512_permutexvar_epi32(pick[2 * h + 1], sc);
+      const int64_t ab = a0 + 4 * h;  // qa: values 0-63 of this half, qb: 64-127
       for (int r = 0; r < R; ++r) {
-        __m512i x0 = _mm512_loadu_si512((const void*)(x[r].q + ab * QK));
-        __m512i x1 = _mm512_loadu_si512((const void*)(x[r].q + (ab + 2) * QK));
-        __m512i p0 = _mm512_sub_epi16(_mm512_maddubs_epi16(qa, x0), _mm512_maddubs_epi16(c32, x0));
-        __m512i p1 = _mm512_sub_epi16(_mm512_maddubs_epi16(qb, x1), _mm512_maddubs_epi16(c32, x1));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p0, sa)), pair_scales(scale[r], 2 * h), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p1, sb)), pair_scales(scale[r], 2 * h + 1), acc[r]);
+        isum[r] = add_scaled(isum[r], dot4(qa, _mm512_loadu_si512((const void*)(x[r].q256 + ab * QK))), sa);
+        isum[r] = add_scaled(isum[r], dot4(qb, _mm512_loadu_si512((const void*)(x[r].q256 + (ab + 2) * QK))), sb);
       }
     }
+    const float d = fp16(blk->d);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * x[r].d256[a0]), acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
@@ -1046,9 +1109,9 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
     case Q4_1: return dot_q4_01<R, true, false>(row, x, K, out);
     case Q5_0: return dot_q4_01<R, false, true>(row, x, K, out);
     case Q5_1: return dot_q4_01<R, true, true>(row, x, K, out);
-    case Q4_K: return dot_q45_k<R, false>(row, x, K, out);
-    case Q5_K: return dot_q45_k<R, true>(row, x, K, out);
-    case Q6_K: return dot_q6_k<R>(row, x, K, out);
+    case Q4_K: if (x[0].q256) return dot_q45_k<R, false>(row, x, K, out); break;  // (else: dot_generic)
+    case Q5_K: if (x[0].q256) return dot_q45_k<R, true>(row, x, K, out); break;
+    case Q6_K: if (x[0].q256) return dot_q6_k<R>(row, x, K, out); break;
     case MXFP4: return dot_q4_01<R, false, false, true>(row, x, K, out);
   }
 #endif

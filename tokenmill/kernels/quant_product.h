@@ -187,9 +187,12 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   std::vector<int8_t> q(padded * K);
   std::vector<float> d(padded * nb), s(padded * nb);
   std::vector<QRow> rows(M);
+  const bool per256 = wants_per256(type) && K % QKK == 0;  // (then q, d, s take one scale per 256)
+  std::vector<int16_t> sums16(per256 ? M * K / 16 : 0);
   for_tiles((M + 7) / 8, [&](int64_t t) {  // (with float_rows raised, M may be a whole prompt chunk)
     for (int64_t m = t * 8; m < std::min(M, t * 8 + 8); ++m)
-      quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
+      quantize_activation_row(xp + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb, per256,
+                              per256 ? sums16.data() + m * K / 16 : nullptr);
   });
 #ifdef TM_QUANT_AMX
   if (M >= kAmxRows && amx_usable() && type != MXFP4) {  // (no tile unpacking for MXFP4's codes yet)
@@ -202,6 +205,10 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   for (int64_t m = 0; m < M; ++m) {
     quad_order(q.data() + m * K, K, q4.data() + m * K);
     rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb, q4.data() + m * K};
+    if (per256) {
+      QRow& r = rows[m];
+      r.q256 = r.q, r.q4_256 = r.q4, r.d256 = r.d, r.s256 = r.s, r.b256 = sums16.data() + m * K / 16;
+    }
   }
   // A few rows: long tiles, so each thread streams long runs of weight rows (prefetched two rows ahead).
   // More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.
