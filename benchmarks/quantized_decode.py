@@ -2,7 +2,8 @@
 files, alternated.
 
 Each round runs, for every file: tokenmill in a fresh process (load, one warm-up generation, then
---tokens greedy tokens from a short prompt, timed; then one 512-token prompt, timed after a warm-up) and
+--tokens greedy tokens from a short prompt, timed less the prompt's own step (the first token, timed
+apart), as llama-bench's tg times decode alone; then one 512-token prompt, timed after a warm-up) and
 `llama-bench -p 512 -n TOKENS` on the same file and thread count. Rounds alternate the engines, because
 this machine's memory bandwidth changes for minutes at a time; the figures are medians over the rounds. Also reported: tokenmill's resident memory after
 load next to the file's size.
@@ -32,10 +33,15 @@ import gc
 gc.collect()
 rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
 sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+first = SamplingParams(max_tokens=1, temperature=0)
 llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
-t = time.perf_counter()
-llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
-decode = tokens / (time.perf_counter() - t)
+def timed(params):
+    t = time.perf_counter()
+    llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)
+    return time.perf_counter() - t
+# decode alone, as llama-bench's tg: the whole generation less its first token (the prompt's step, a median of 3)
+first_s = sorted(timed(first) for _ in range(3))[1]
+decode = (tokens - 1) / (timed(sp) - first_s)
 prompt = [(i * 7919) % 40000 + 100 for i in range(512)]  # one 512-token prompt, one step (no chunking)
 one = SamplingParams(max_tokens=1, temperature=0)
 llm.generate([prompt], one, use_tqdm=False)
