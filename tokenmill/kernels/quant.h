@@ -971,7 +971,7 @@ template <int R>
 inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3), low16 = _mm512_set1_epi32(0xFFFF);
+  const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(0x33), low16 = _mm512_set1_epi32(0xFFFF);
   // the scale lanes of each product vector: four lanes (16 values) per sub-block
   const __m512i pick[4] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                            _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
@@ -991,10 +991,11 @@ inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
     for (int h = 0; h < 2; ++h) {
       const __m512i ql = _mm512_loadu_si512((const void*)(blk->ql + 64 * h));
       const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
-      const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-      const __m512i qa = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(hh, m2), 4));
-      const __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m2), 4));
+      // hh: the 2-bit pairs of values 0-63 in bits 0-1 and of values 64-127 in bits 4-5 of each byte; then
+      // each code's low 4 bits where m4 is set and its high 2 bits above them (0xE4: m4 ? first : second)
+      const __m512i hh = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1), m2);
+      const __m512i qa = _mm512_ternarylogic_epi32(ql, _mm512_slli_epi16(hh, 4), m4, 0xE4);
+      const __m512i qb = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), hh, m4, 0xE4);
       const __m512i sa = _mm512_permutexvar_epi32(pick[2 * h], sc), sb = _mm512_permutexvar_epi32(pick[2 * h + 1], sc);
       const int64_t ab = a0 + 4 * h;  // qa: values 0-63 of this half, qb: 64-127
       for (int r = 0; r < R; ++r) {
