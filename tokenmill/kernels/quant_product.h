@@ -210,17 +210,19 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
       r.q256 = r.q, r.q4_256 = r.q4, r.d256 = r.d, r.s256 = r.s, r.b256 = sums16.data() + m * K / 16;
     }
   }
-  // A few rows: long tiles, so each thread streams long runs of weight rows (prefetched two rows ahead).
-  // More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.
+  // A few rows: long tiles, so each thread streams long runs of weight rows, asked for at least 4 KiB (and
+  // two rows) ahead: short rows (a 640-wide Q8_0 row is 680 bytes) would otherwise leave too few lines in
+  // flight. More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.
   const int64_t tile = M <= kRowGroup ? std::max<int64_t>(8, N / (16 * at::get_num_threads())) : 8;
+  const int64_t ahead_rows = std::max<int64_t>(2, (4096 + row_bytes - 1) / row_bytes);
   for_tiles((N + tile - 1) / tile, [&](int64_t t) {
     const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
     float out[kRowGroup];
     for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
       const int g = (int)std::min<int64_t>(kRowGroup, M - m0);
       for (int64_t n = n0; n < n1; ++n) {
-        if (n + 2 < n1) {
-          const char* ahead = (const char*)(w + (n + 2) * row_bytes);
+        if (n + ahead_rows < n1) {
+          const char* ahead = (const char*)(w + (n + ahead_rows) * row_bytes);
           for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
         }
         dot_rows(type, w + n * row_bytes, rows.data() + m0, g, K, out);
