@@ -47,7 +47,7 @@ one = SamplingParams(max_tokens=1, temperature=0)
 llm.generate([prompt], one, use_tqdm=False)
 t = time.perf_counter()
 llm.generate([prompt], one, use_tqdm=False)
-print(json.dumps({"tok_s": decode, "pp_s": 512 / (time.perf_counter() - t), "rss": rss}))
+print(json.dumps({"tok_s": decode, "pp_s": 512 / (time.perf_counter() - t), "rss": rss, "first_s": first_s}))
 """
 
 
@@ -82,7 +82,7 @@ def main() -> None:
     theirs = {f: [] for f in args.files}
     ours_pp = {f: [] for f in args.files}
     theirs_pp = {f: [] for f in args.files}
-    rss = {}
+    rss, first = {}, {f: [] for f in args.files}
     for r in range(args.rounds):
         for f in args.files:
             order = [0, 1] if r % 2 == 0 else [1, 0]
@@ -92,12 +92,13 @@ def main() -> None:
                     ours[f].append(res["tok_s"])
                     ours_pp[f].append(res["pp_s"])
                     rss[f] = res["rss"]
+                    first[f].append(res["first_s"])
                 else:
                     tg, pp = llama_bench(exe, f, args.tokens, threads)
                     theirs[f].append(tg)
                     theirs_pp[f].append(pp)
-            print(f"round {r + 1}: {os.path.basename(f)} tokenmill {ours[f][-1]:.2f} llama.cpp {theirs[f][-1]:.2f} tok/s",
-                  flush=True)
+            print(f"round {r + 1}: {os.path.basename(f)} tokenmill {ours[f][-1]:.2f} llama.cpp {theirs[f][-1]:.2f} tok/s "
+                  f"(tokenmill's first token of the short prompt: {first[f][-1] * 1e3:.0f} ms)", flush=True)
     print(f"\n| file | size | tokenmill RSS after load | tokenmill tok/s | llama-bench tg{args.tokens} tok/s | ratio "
           "| tokenmill prefill 512 tok/s | llama-bench pp512 tok/s | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
