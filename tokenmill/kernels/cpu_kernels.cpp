@@ -1118,11 +1118,11 @@ struct QInput {
   };
   Rounding r32, r256;
   std::vector<float> f;
-  std::vector<tmq::QRow> rows;
+  std::vector<tmq::QRow> rows, rows256;
   template <typename T>
   void set(const T* x, int64_t M, int64_t K, bool per256) {
     const int64_t nb = K / tmq::QK;
-    rows.resize(M);
+    rows.resize(M), rows256.resize(per256 ? M : 0);
     if constexpr (!kIsFloat<T>) f.resize(K);
     for (int64_t m = 0; m < M; ++m) {
       const float* xr;
@@ -1136,9 +1136,9 @@ struct QInput {
       rows[m] = {r32.q.data() + m * K, r32.d.data() + m * nb, r32.s.data() + m * nb, r32.q4.data() + m * K};
       if (per256) {
         r256.set(xr, m, M, K, true);
-        tmq::QRow& r = rows[m];
-        r.q256 = r256.q.data() + m * K, r.q4_256 = r256.q4.data() + m * K, r.d256 = r256.d.data() + m * nb;
-        r.s256 = r256.s.data() + m * nb, r.b256 = r256.sums16.data() + m * K / 16;
+        rows256[m] = {r256.q.data() + m * K, r256.d.data() + m * nb, r256.s.data() + m * nb, r256.q4.data() + m * K,
+                      r256.sums16.data() + m * K / 16};
+        rows[m].per256 = &rows256[m];
       }
     }
   }

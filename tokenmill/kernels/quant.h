@@ -591,14 +591,10 @@ struct QRow {
   const float* d;
   const float* s;
   const int8_t* q4 = nullptr;
-  // The same row quantized with one scale per 256 values (quantize_activation_row's per256): q256, and its
-  // blocks in quad order q4_256, d256 and s256 per block as d and s, b256 the integer sum of each 16 values.
-  // Where given, the K formats' rows take these.
-  const int8_t* q256 = nullptr;
-  const int8_t* q4_256 = nullptr;
-  const float* d256 = nullptr;
-  const float* s256 = nullptr;
-  const int16_t* b256 = nullptr;
+  const int16_t* sums16 = nullptr;  // the integer sum of each 16 values of q (rows rounded per 256)
+  // The same row rounded with one scale per 256 values (quantize_activation_row's per256), with its q4 and
+  // sums16: where given, the K formats' rows take it. (A row already rounded so points to itself.)
+  const QRow* per256 = nullptr;
 };
 
 // The K formats' rows multiply inputs with one scale per 256 values: a super-block's integer sub-block
@@ -671,15 +667,16 @@ inline void dot_generic(int type, const uint8_t* row, const QRow* x, int64_t K, 
   thread_local std::vector<float> w;
   if ((int64_t)w.size() < K) w.resize(K);
   dequantize_row(type, row, w.data(), K);
-  const bool per256 = wants_per256(type) && x[0].q256;
+  const bool per256 = wants_per256(type) && x[0].per256;
   for (int r = 0; r < R; ++r) {
+    const QRow& xr = per256 ? *x[r].per256 : x[r];
     float acc = 0.f;
     for (int64_t b = 0; b < K / QK; ++b) {
-      const int8_t* q = (per256 ? x[r].q256 : x[r].q) + b * QK;
+      const int8_t* q = xr.q + b * QK;
       const float* wb = w.data() + b * QK;
       float part = 0.f;
       for (int i = 0; i < QK; ++i) part += wb[i] * q[i];
-      acc += part * (per256 ? x[r].d256 : x[r].d)[b];
+      acc += part * xr.d[b];
     }
     out[r] = acc;
   }
@@ -908,7 +905,7 @@ TM_INLINE __m512i add_scaled(__m512i acc, __m512i p, __m512i sc) {
 }
 
 // Q4_K and Q5_K: w = d sc_j q - dmin m_j per 32-element sub-block j of a 256-element super-block, against
-// inputs with one scale per 256 (QRow's q4_256, d256, s256). A sub-block's byte products (at most 4 * 31 *
+// inputs with one scale per 256 (QRow::per256, its q4, d and s). A sub-block's byte products (at most 4 * 31 *
 // 127 per lane) times its 6-bit scale sum in int32 over the super-block, which then takes one float
 // multiply. A 64-byte load holds sub-blocks 4h, 4h + 2 (low nibbles) and 4h + 1, 4h + 3 (high ones).
 template <int R, bool FIVE>
@@ -934,7 +931,7 @@ inline void dot_q45_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
     __m512i isum[R];
     for (int r = 0; r < R; ++r) {
       isum[r] = _mm512_setzero_si512();
-      off[r] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(x[r].s256 + a0), off[r]);
+      off[r] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(x[r].per256->s + a0), off[r]);
     }
     __m512i hb;
     if (FIVE) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16)));
@@ -951,20 +948,20 @@ inline void dot_q45_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       }
       const __m512i s0 = _mm512_permutexvar_epi32(pick[2 * h], sc), s1 = _mm512_permutexvar_epi32(pick[2 * h + 1], sc);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x[r].q4_256 + (a0 + 4 * h) * QK;
+        const int8_t* xq = x[r].per256->q4 + (a0 + 4 * h) * QK;
         isum[r] = add_scaled(isum[r], dot4(w[0], _mm512_loadu_si512((const void*)xq)), s0);
         isum[r] = add_scaled(isum[r], dot4(w[1], _mm512_loadu_si512((const void*)(xq + 2 * QK))), s1);
       }
     }
     const float d = fp16(*(const uint16_t*)blk);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * x[r].d256[a0]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * x[r].per256->d[a0]), acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], zext(off[r]));
 }
 
 // Q6_K: w = d sc_i (q - 32) per 16-element sub-block i, q's 4 low bits in ql and 2 high bits in qh; against
-// inputs with one scale per 256 (QRow's q256, d256, b256). As Q4_K's above, the sub-blocks' byte products
+// inputs with one scale per 256 (QRow::per256, its q, d and sums16). As Q4_K's above, the sub-blocks' byte products
 // (at most 4 * 63 * 127 per lane) times their signed 8-bit scales sum in int32 over the super-block; the
 // codes' offset of 32 comes off once per super-block through the inputs' sums of 16.
 template <int R>
@@ -985,7 +982,7 @@ inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
     const int64_t a0 = b * (QKK / QK);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) {  // - 32 sum_i sc_i (sum of sub-block i's inputs)
-      const __m256i m = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(x[r].b256 + b * 16)));
+      const __m256i m = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(x[r].per256->sums16 + b * 16)));
       isum[r] = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5)), 0);
     }
     for (int h = 0; h < 2; ++h) {
@@ -999,13 +996,13 @@ inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
       const __m512i sa = _mm512_permutexvar_epi32(pick[2 * h], sc), sb = _mm512_permutexvar_epi32(pick[2 * h + 1], sc);
       const int64_t ab = a0 + 4 * h;  // qa: values 0-63 of this half, qb: 64-127
       for (int r = 0; r < R; ++r) {
-        isum[r] = add_scaled(isum[r], dot4(qa, _mm512_loadu_si512((const void*)(x[r].q256 + ab * QK))), sa);
-        isum[r] = add_scaled(isum[r], dot4(qb, _mm512_loadu_si512((const void*)(x[r].q256 + (ab + 2) * QK))), sb);
+        isum[r] = add_scaled(isum[r], dot4(qa, _mm512_loadu_si512((const void*)(x[r].per256->q + ab * QK))), sa);
+        isum[r] = add_scaled(isum[r], dot4(qb, _mm512_loadu_si512((const void*)(x[r].per256->q + (ab + 2) * QK))), sb);
       }
     }
     const float d = fp16(blk->d);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * x[r].d256[a0]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * x[r].per256->d[a0]), acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
@@ -1110,9 +1107,9 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
     case Q4_1: return dot_q4_01<R, true, false>(row, x, K, out);
     case Q5_0: return dot_q4_01<R, false, true>(row, x, K, out);
     case Q5_1: return dot_q4_01<R, true, true>(row, x, K, out);
-    case Q4_K: if (x[0].q256) return dot_q45_k<R, false>(row, x, K, out); break;  // (else: dot_generic)
-    case Q5_K: if (x[0].q256) return dot_q45_k<R, true>(row, x, K, out); break;
-    case Q6_K: if (x[0].q256) return dot_q6_k<R>(row, x, K, out); break;
+    case Q4_K: if (x[0].per256) return dot_q45_k<R, false>(row, x, K, out); break;  // (else: dot_generic)
+    case Q5_K: if (x[0].per256) return dot_q45_k<R, true>(row, x, K, out); break;
+    case Q6_K: if (x[0].per256) return dot_q6_k<R>(row, x, K, out); break;
     case MXFP4: return dot_q4_01<R, false, false, true>(row, x, K, out);
   }
 #endif

@@ -205,10 +205,7 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   for (int64_t m = 0; m < M; ++m) {
     quad_order(q.data() + m * K, K, q4.data() + m * K);
     rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb, q4.data() + m * K};
-    if (per256) {
-      QRow& r = rows[m];
-      r.q256 = r.q, r.q4_256 = r.q4, r.d256 = r.d, r.s256 = r.s, r.b256 = sums16.data() + m * K / 16;
-    }
+    if (per256) rows[m].sums16 = sums16.data() + m * K / 16, rows[m].per256 = &rows[m];
   }
   // A few rows: long tiles, so each thread streams long runs of weight rows, asked for at least 4 KiB (and
   // two rows) ahead: short rows (a 640-wide Q8_0 row is 680 bytes) would otherwise leave too few lines in
