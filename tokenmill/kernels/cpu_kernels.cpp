@@ -105,6 +105,15 @@ inline __m512 round_bf16(__m512 v) {
 constexpr int64_t kPrefetchL2Bytes = 16384;  // several input rows: far into L2, and near into L1
 constexpr int64_t kPrefetchL1Bytes = 2048;
 constexpr int64_t kPrefetchRowBytes = 4096;  // one input row: into L1
+// One input row against a large output layer of short block-format rows (Gemma 3's 640-wide Q8_0 one: 680
+// bytes a row, 178 MB): its rows are also asked for kPrefetchL2Bytes ahead into L2, a line in every
+// kHeadStride bytes (the L2's own prefetchers fill in the rest). With such short rows a thread spends much
+// of each row on its fixed costs (the row's sum, its result) and keeps too few lines in flight from the L1
+// walk alone. Gemma 3 270M's greedy decode: 0.87x the time (benchmarks/kernel_ab.py). Elsewhere it did
+// not pay: rows of 2048 values come near the memory's speed without it; an output layer the caches keep
+// much of between steps (the default model's, 30 MB) lost 2-4% to the extra instructions, its whole
+// step 3%; walking the layers' short rows likewise made the default model's step slower still.
+constexpr int64_t kHeadRowBytes = 1024, kHeadStride = 256, kHeadMinBytes = int64_t(64) << 20;
 
 // A span of weight bytes one thread reads front to back.
 struct Segment {
@@ -116,7 +125,7 @@ struct Segment {
 // distance ahead of its reads, asking for one cache line per call. Over several segments, the slices
 // of consecutive matrices in a decode step, the stream runs on across the end of one matrix and the
 // start of the next instead of starting cold at each.
-template <int Locality>  // __builtin_prefetch's: 3 into L1 (T0), 2 into L2 (T1)
+template <int Locality, int Stride = 64>  // __builtin_prefetch's: 3 into L1 (T0), 2 into L2 (T1); a line per Stride bytes
 class Lookahead {
  public:
   Lookahead() = default;
@@ -126,7 +135,7 @@ class Lookahead {
   }
   // Moves `bytes` ahead of the reads, prefetching those bytes or leaving them to the hardware.
   void advance(int64_t bytes, bool fetch) {
-    for (int64_t i = 0; i < bytes; i += 64) {
+    for (int64_t i = 0; i < bytes; i += Stride) {
       if (fetch)
         line();
       else
@@ -134,17 +143,17 @@ class Lookahead {
     }
   }
   inline void line() {
-    if (step_to_next()) __builtin_prefetch(p_, 0, Locality), p_ += 64;
+    if (step_to_next()) __builtin_prefetch(p_, 0, Locality), p_ += Stride;
   }
   // As many lines as `bytes` of the stream hold (what is left over counts towards the next call): for
   // reads that do not come in whole lines, the rows of a block-quantized matrix.
   inline void bytes(int64_t n) {
-    for (owed_ += n; owed_ >= 64; owed_ -= 64) line();
+    for (owed_ += n; owed_ >= Stride; owed_ -= Stride) line();
   }
 
  private:
   inline void step() {
-    if (step_to_next()) p_ += 64;
+    if (step_to_next()) p_ += Stride;
   }
   inline bool step_to_next() {
     if (p_ < end_) return true;
@@ -167,6 +176,7 @@ class Lookahead {
 
 using NearAhead = Lookahead<3>;
 using FarAhead = Lookahead<2>;
+using HeadAhead = Lookahead<2, kHeadStride>;
 
 // ------------------------------------------------------------------------------------ activation types
 
@@ -1146,21 +1156,32 @@ struct QInput {
 
 // The walks ahead of a thread's weight stream: started their distance ahead, those first bytes asked
 // for now. With `wrap`, the walk goes on from the stream's end to its start (the next step of a burst).
+// head_rows: the thread's rows of an output layer of short block-format rows (see kHeadRowBytes), which
+// one input row also walks into L2 while in_head; none otherwise.
 struct Walks {
   FarAhead far;
   NearAhead near;
-  Walks(const std::vector<Segment>& stream, int64_t B, bool wrap)
-      : far(stream.data(), stream.size(), wrap), near(stream.data(), stream.size(), wrap) {
+  std::vector<Segment> head_rows;
+  HeadAhead head;
+  bool in_head = false;
+  Walks(const std::vector<Segment>& stream, int64_t B, bool wrap, std::vector<Segment> head_rows_ = {})
+      : far(stream.data(), stream.size(), wrap), near(stream.data(), stream.size(), wrap),
+        head_rows(B == 1 ? std::move(head_rows_) : std::vector<Segment>()),
+        head(head_rows.data(), head_rows.size(), true) {
     if (B == 1) {
       near.advance(kPrefetchRowBytes, true);
+      head.advance(kPrefetchL2Bytes, true);
     } else {
       far.advance(kPrefetchL2Bytes, true);
       near.advance(kPrefetchL1Bytes, true);
     }
   }
-  // The stream moves on by `bytes` (read by M input rows: one row walks `near` only, as the dense GEMV does).
+  Walks(const Walks&) = delete;  // (head walks head_rows)
+  // The stream moves on by `bytes` (read by M input rows: one row walks `near` only, as the dense GEMV
+  // does, and in an output layer of short rows `head` too).
   void read(int64_t bytes, int64_t M) {
     if (M > 1) far.bytes(bytes);
+    else if (in_head) head.bytes(bytes);
     near.bytes(bytes);
   }
 };
@@ -1697,7 +1718,7 @@ class FusedDecoder {
     StepPlans plan = attention_plan(s);
     team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n);
-      Walks walks(stream, s.B, false);
+      Walks walks(stream, s.B, false, short_head_rows(w, n));
       ThreadState ts(D_);
       team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
       team_logits(data(in.x), s.B, w, n, buf, data_mut(out), walks, ts);
@@ -2211,6 +2232,21 @@ class FusedDecoder {
     return stream;
   }
 
+  // Thread w of n's rows of the output layer where it is large and its rows short block-format ones
+  // (kHeadRowBytes).
+  std::vector<Segment> short_head_rows(int w, int n) const {
+    std::vector<Segment> rows;
+    int64_t bytes = 0;
+    for (const MatrixPart& p : head_.parts) {
+      if (p.dense() || p.row_bytes > kHeadRowBytes) return rows;
+      bytes += (p.r1 - p.r0) * p.row_bytes;
+    }
+    if (bytes < kHeadMinBytes) return rows;
+    const auto [v0, v1] = share(head_.N, w, n);
+    matrix_segments(head_, v0, v1, rows);
+    return rows;
+  }
+
   // Thread w of n's share of the logits [B, vocab] of the residual stream x: the final norm (each
   // thread its own copy), then its rows of the head. Returns those rows [v0, v1).
   std::pair<int64_t, int64_t> team_logits(const T* x, int64_t B, int w, int n, TeamBuffers& buf, T* logits,
@@ -2219,7 +2255,9 @@ class FusedDecoder {
     rms_norm_rows(x, data(final_norm_), h, B, hidden_, eps_, norm_offset_, norm_in_float_);
     if (head_.quantized) ts.xq.set(h, B, hidden_, head_.per256);
     const auto [v0, v1] = share(head_.N, w, n);
+    walks.in_head = true;
     matrix_rows(head_, h, ts.xq, B, v0, v1, static_cast<const T*>(nullptr), logits, false, walks);
+    walks.in_head = false;
     if (final_softcap_ > 0.f)
       for (int64_t b = 0; b < B; ++b) softcap_rows(logits + b * head_.N + v0, v1 - v0, final_softcap_);
     return {v0, v1};
@@ -2258,7 +2296,7 @@ class FusedDecoder {
     };
     team(threads, [&](int w, int n, SpinBarrier& barrier) {
       const auto stream = stream_with_head(w, n);
-      Walks walks(stream, B, true);
+      Walks walks(stream, B, true, short_head_rows(w, n));
       ThreadState ts(D_);
       while (more) {
         team_layers(s, plan, buf, x, w, n, barrier, walks, ts);
