@@ -109,7 +109,7 @@ constexpr int64_t kPrefetchRowBytes = 4096;  // one input row: into L1
 // bytes a row, 178 MB): its rows are also asked for kPrefetchL2Bytes ahead into L2, a line in every
 // kHeadStride bytes (the L2's own prefetchers fill in the rest). With such short rows a thread spends much
 // of each row on its fixed costs (the row's sum, its result) and keeps too few lines in flight from the L1
-// walk alone. Gemma 3 270M's greedy decode: 0.87x the time (benchmarks/kernel_ab.py). Elsewhere it did
+// walk alone. Gemma 3 270M's greedy decode: 0.87-0.89x the time (benchmarks/kernel_ab.py). Elsewhere it did
 // not pay: rows of 2048 values come near the memory's speed without it; an output layer the caches keep
 // much of between steps (the default model's, 30 MB) lost 2-4% to the extra instructions, its whole
 // step 3%; walking the layers' short rows likewise made the default model's step slower still.
@@ -1156,17 +1156,17 @@ struct QInput {
 
 // The walks ahead of a thread's weight stream: started their distance ahead, those first bytes asked
 // for now. With `wrap`, the walk goes on from the stream's end to its start (the next step of a burst).
-// head_rows: the thread's rows of an output layer of short block-format rows (see kHeadRowBytes), which
-// one input row also walks into L2 while in_head; none otherwise.
+// head_rows: the thread's rows of a large output layer of short block-format rows (see kHeadRowBytes),
+// which one input row also walks into L2 while in_head; none otherwise.
 struct Walks {
   FarAhead far;
   NearAhead near;
   std::vector<Segment> head_rows;
   HeadAhead head;
   bool in_head = false;
-  Walks(const std::vector<Segment>& stream, int64_t B, bool wrap, std::vector<Segment> head_rows_ = {})
+  Walks(const std::vector<Segment>& stream, int64_t B, bool wrap, std::vector<Segment> head_share = {})
       : far(stream.data(), stream.size(), wrap), near(stream.data(), stream.size(), wrap),
-        head_rows(B == 1 ? std::move(head_rows_) : std::vector<Segment>()),
+        head_rows(B == 1 ? std::move(head_share) : std::vector<Segment>()),
         head(head_rows.data(), head_rows.size(), true) {
     if (B == 1) {
       near.advance(kPrefetchRowBytes, true);
