@@ -166,6 +166,9 @@ inline void amx_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N
 }
 #endif
 
+// How far ahead (bytes, into L1) block_product asks for the weight rows of a few input rows.
+constexpr int64_t kAheadBytes = 4096;
+
 // y [M, N] = x [M, K] W^T, W: N rows of `row_bytes` in block format `type` (quant.h's layout); x float32 or
 // bfloat16 (contiguous), y a view of x's dtype (rows may be strided: a merged projection's columns).
 // float_inputs: dequantized tiles whatever M (a prompt's rows, quant.py). Call it outside any parallel
@@ -211,7 +214,7 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   // two rows) ahead: short rows (a 640-wide Q8_0 row is 680 bytes) would otherwise leave too few lines in
   // flight. More: tiles of 8 weight rows, which stay in cache while every group of input rows passes over them.
   const int64_t tile = M <= kRowGroup ? std::max<int64_t>(8, N / (16 * at::get_num_threads())) : 8;
-  const int64_t ahead_rows = std::max<int64_t>(2, (4096 + row_bytes - 1) / row_bytes);
+  const int64_t ahead_rows = std::max<int64_t>(2, (kAheadBytes + row_bytes - 1) / row_bytes);
   for_tiles((N + tile - 1) / tile, [&](int64_t t) {
     const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
     float out[kRowGroup];
