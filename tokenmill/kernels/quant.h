@@ -10,7 +10,9 @@
 // Block layouts follow the GGUF specification (ggml's block_q8_0, block_q4_0, block_q4_1, block_q4_K,
 // block_q5_K, block_q6_K, block_q5_0, block_q5_1). The K formats are read as the file holds them. Rows of the
 // 32-element formats are repacked at load into the same bytes rearranged for the kernel (repack_row):
-//   Q8_0  [nb float16 scales d] [nb x 32 int8]
+//   Q8_0  [nb float16 scales d] [nb x 32 bytes q + 128] (the int8 values with their sign bit flipped: unsigned
+//         bytes, which VNNI multiplies with the inputs' signed ones directly; the 128 comes back through the
+//         inputs' block sums, as Q4_0's 8 does)
 //   Q4_0  [nb float16 scales d] [quants]
 //   Q4_1  [nb float16 scales d] [nb float16 offsets m] [quants]
 //   Q5_0  [nb float16 scales d] [nb uint32 fifth bits] [quants]
@@ -145,6 +147,9 @@ struct Format {
   int bytes;   // bytes per block
 };
 
+// A repacked Q8_0 byte's int8 value (the layout stores q + 128), and that for 16 or 32 bytes at once.
+inline int q8_value(uint8_t u) { return (int)u - 128; }
+
 inline bool format_of(int type, Format& f) {
   switch (type) {
     case Q8_0: f = {QK, 34}; return true;
@@ -167,8 +172,8 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
     case Q8_0: {
       const int64_t nb = K / QK;
       const uint16_t* d = (const uint16_t*)row;
-      const int8_t* qs = (const int8_t*)(row + 2 * nb);
-      for (int64_t i = 0; i < K; ++i) y[i] = fp16(d[i / QK]) * qs[i];
+      const uint8_t* qs = row + 2 * nb;
+      for (int64_t i = 0; i < K; ++i) y[i] = fp16(d[i / QK]) * q8_value(qs[i]);
       break;
     }
     case MXFP4: {  // the repacked layout: scales, then the codes in pairs of blocks as the 4-bit formats'
@@ -269,14 +274,17 @@ inline void store16(float* y, __m128i bytes, __m512 scale, __m512 offset, bool s
   _mm512_storeu_ps(y, sub ? _mm512_sub_ps(p, offset) : _mm512_add_ps(p, offset));
 }
 
+TM_INLINE __m128i q8_values(__m128i u) { return _mm_xor_si128(u, _mm_set1_epi8((char)0x80)); }
+TM_INLINE __m256i q8_values(__m256i u) { return _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); }
+
 inline void dequantize_q8_0(const uint8_t* row, float* y, int64_t K) {
   const int64_t nb = K / QK;
   const uint16_t* d = (const uint16_t*)row;
-  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  const uint8_t* qs = row + 2 * nb;
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 db = _mm512_set1_ps(fp16(d[b]));
     for (int c = 0; c < 2; ++c) {
-      __m128i q8 = _mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c));
+      __m128i q8 = q8_values(_mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c)));
       _mm512_storeu_ps(y + b * QK + 16 * c, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))));
     }
   }
@@ -451,11 +459,12 @@ inline void store_lookup(uint16_t* y, __m256i idx8, __m512i table) {
 inline void dequantize_bf16_q8_0(const uint8_t* row, uint16_t* y, int64_t K) {
   const int64_t nb = K / QK;
   const uint16_t* d = (const uint16_t*)row;
-  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  const uint8_t* qs = row + 2 * nb;
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 db = _mm512_set1_ps(fp16(d[b]));
     for (int c = 0; c < 2; ++c) {
-      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c))));
+      const __m512 q =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8_values(_mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c)))));
       _mm256_storeu_si256((__m256i*)(y + b * QK + 16 * c), bf16x16(_mm512_mul_ps(db, q)));
     }
   }
@@ -574,7 +583,8 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
     if (five) std::memcpy(qh + 4 * b, blk + (min ? 4 : 2), 4);
   }
   if (type == Q8_0) {
-    for (int64_t b = 0; b < nb; ++b) std::memcpy(qs + b * 32, in + b * f.bytes + 2, 32);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int i = 0; i < 32; ++i) qs[b * 32 + i] = in[b * f.bytes + 2 + i] ^ 0x80;
     return;
   }
   pair_nibbles(in, f.bytes, hdr, nb, qs);
@@ -720,7 +730,7 @@ template <int R>
 inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
   const uint16_t* dp = (const uint16_t*)row;
-  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  const uint8_t* qs = row + 2 * nb;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += 16) {
@@ -730,7 +740,7 @@ inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
     __m512 scale[R];
     for (int r = 0; r < R; ++r) scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
     for (int k = 0; k < n; ++k) {
-      __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(qs + (g + k) * QK)));
+      __m512i wv = _mm512_cvtepi8_epi16(q8_values(_mm256_loadu_si256((const __m256i*)(qs + (g + k) * QK))));
       const __m512i lane = _mm512_set1_epi32(k);
       for (int r = 0; r < R; ++r) {
         __m512i xv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(x[r].q + (g + k) * QK)));
@@ -743,46 +753,62 @@ inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
 }
 
 #ifdef TM_QUANT_VNNI
-// Q8_0 with VNNI: signed weights times signed inputs as |w| times (x with w's sign), two blocks per
-// 64-byte product (the same integer sums: |w| <= 128 and |x| <= 127). Blocks 16 at a time as above.
+// Q8_0 with VNNI: the stored unsigned bytes u = q + 128 times the signed inputs, two blocks per 64-byte
+// product, so sum(w x) = d (sum(u x) - 128 sum(x)) per block, the second term through the inputs' block sums
+// s (one multiply-add a 16 blocks). Even and odd pairs of blocks sum in two chains (their latency, not the
+// ports, would otherwise bound a short row).
 template <int R>
 inline void dot_q8_0_vnni(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
+  auto vnni_dot4 = [](__m512i u, __m512i v) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, v); };
   const uint16_t* dp = (const uint16_t*)row;
-  const int8_t* qs = (const int8_t*)(row + 2 * nb);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* qs = row + 2 * nb;
+  // Lanes 0-7 take the scale of the pair's first block, lanes 8-15 of its second: blocks 0 and 1, then +2 a pair.
+  const __m512i first_pair = _mm512_mask_blend_epi32(0xFF00, _mm512_setzero_si512(), _mm512_set1_epi32(1));
+  const __m512i two = _mm512_set1_epi32(2), four = _mm512_set1_epi32(4);
+  __m512 acc[R], acc2[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += 16) {
     const int n = (int)std::min<int64_t>(16, nb - g);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
-    __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
+    const __m512 offset = _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));
     __m512 scale[R];
-    for (int r = 0; r < R; ++r) scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
-    for (int k = 0; k < n / 2; ++k) {
-      const __m512i w = _mm512_loadu_si512((const void*)(qs + (g + 2 * k) * QK));
-      const __m512i wabs = _mm512_abs_epi8(w);
-      const __mmask64 neg = _mm512_movepi8_mask(w);
+    for (int r = 0; r < R; ++r) {
+      scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
+      acc2[r] = _mm512_fmadd_ps(offset, _mm512_maskz_loadu_ps(mask, x[r].s + g), acc2[r]);
+    }
+    __m512i i0 = first_pair, i1 = _mm512_add_epi32(first_pair, two);
+    int k = 0;
+    for (; k + 1 < n / 2; k += 2, i0 = _mm512_add_epi32(i0, four), i1 = _mm512_add_epi32(i1, four)) {
+      const __m512i w0 = _mm512_loadu_si512((const void*)(qs + (g + 2 * k) * QK));
+      const __m512i w1 = _mm512_loadu_si512((const void*)(qs + (g + 2 * k + 2) * QK));
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK));
-        const __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-        const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, xs));
-        acc[r] = _mm512_fmadd_ps(p, pair_scales(scale[r], k), acc[r]);
+        const int8_t* xq = x[r].q + (g + 2 * k) * QK;
+        const __m512 p0 = _mm512_cvtepi32_ps(vnni_dot4(w0, _mm512_loadu_si512((const void*)xq)));
+        const __m512 p1 = _mm512_cvtepi32_ps(vnni_dot4(w1, _mm512_loadu_si512((const void*)(xq + 2 * QK))));
+        acc[r] = _mm512_fmadd_ps(p0, _mm512_permutexvar_ps(i0, scale[r]), acc[r]);
+        acc2[r] = _mm512_fmadd_ps(p1, _mm512_permutexvar_ps(i1, scale[r]), acc2[r]);
       }
     }
-    if (n % 2) {  // an odd last block: its 32 products in the low 8 lanes
+    if (k < n / 2) {  // an odd number of pairs: the last one
+      const __m512i w = _mm512_loadu_si512((const void*)(qs + (g + 2 * k) * QK));
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_cvtepi32_ps(vnni_dot4(w, _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK))));
+        acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(i0, scale[r]), acc[r]);
+      }
+    }
+    if (n % 2) {  // an odd last block: its 32 products in the low 8 lanes (the high ones multiply zeros)
       const int64_t b = g + n - 1;
       const __m512i w = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(qs + b * QK)));
-      const __m512i wabs = _mm512_abs_epi8(w);
-      const __mmask64 neg = _mm512_movepi8_mask(w);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(x[r].q + b * QK)));
-        const __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-        const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, xs));
+        const __m512 p = _mm512_cvtepi32_ps(vnni_dot4(w, xv));
         acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(_mm512_set1_epi32(n - 1), scale[r]), acc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], acc2[r]);
 }
 #endif
 
@@ -1031,12 +1057,13 @@ template <int R>
 inline void dot_q8_0_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
   const uint16_t* dp = (const uint16_t*)row;
-  const int8_t* qs = (const int8_t*)(row + 2 * nb);
+  const uint8_t* qs = row + 2 * nb;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m128i* w = (const __m128i*)(qs + b * QK);
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1));
+    const __m256i w0 = _mm256_cvtepi8_epi16(q8_values(_mm_loadu_si128(w)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(q8_values(_mm_loadu_si128(w + 1)));
     const float d = fp16(dp[b]);
     for (int r = 0; r < R; ++r) {
       const __m128i* xq = (const __m128i*)(x[r].q + b * QK);

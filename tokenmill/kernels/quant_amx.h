@@ -109,8 +109,8 @@ struct Panel {
       case Q8_0:
         pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
           const uint8_t* qs = r + 2 * blocks;
-          l = _mm256_loadu_si256((const __m256i*)(qs + bb * QK));
-          if (bb + 1 < blocks) h = _mm256_loadu_si256((const __m256i*)(qs + (bb + 1) * QK));
+          l = q8_values(_mm256_loadu_si256((const __m256i*)(qs + bb * QK)));
+          if (bb + 1 < blocks) h = q8_values(_mm256_loadu_si256((const __m256i*)(qs + (bb + 1) * QK)));
         });
         break;
       case Q4_0:
