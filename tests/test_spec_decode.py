@@ -6,6 +6,7 @@ spoils some of its proposals, so that long accepted runs and rejections at every
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -19,7 +20,7 @@ from scipy.stats import chi2_contingency
 from conftest import ARCHS, PROMPTS, block_bytes
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.spec.proposer import AdaptiveDraft, ngram_lookup
+from tokenmill.spec.proposer import AdaptiveDraft, StepCost, ngram_lookup, plan_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -316,6 +317,95 @@ def test_adaptive_draft_grows_shrinks_and_pauses():
             break
     assert a.paused and [a.want() for _ in range(AdaptiveDraft.PAUSE_STEPS)] == [0] * AdaptiveDraft.PAUSE_STEPS
     assert a.want() == 1  # tried again, small
+
+
+def _tokens_per_second(rates, ks, others, a, b) -> float:
+    rows = len(ks) + others
+    return (rows + sum(p ** j for p, k in zip(rates, ks) for j in range(1, k + 1))) / (a + b * (rows + sum(ks)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3), caps=st.lists(st.integers(0, 4), min_size=3,
+       max_size=3), others=st.integers(0, 2), a=st.floats(0.1, 10.0), b=st.floats(0.0, 5.0))
+def test_plan_drafts_gives_the_most_expected_tokens_per_second(rates, caps, others, a, b):
+    """Against every allotment within the caps: the plan's expected tokens per second is the best one's."""
+    caps = caps[:len(rates)]
+    ks = plan_drafts(rates, caps, (a, b), others)
+    assert all(0 <= k <= c for k, c in zip(ks, caps))
+    best = max(_tokens_per_second(rates, list(c), others, a, b) for c in itertools.product(*(range(c + 1) for c in caps)))
+    assert _tokens_per_second(rates, ks, others, a, b) >= best * (1 - 1e-9)
+    assert plan_drafts(rates, caps, None, others) == caps  # no costs known yet: as many as allowed
+
+
+def test_step_cost_fits_the_line_through_its_row_counts():
+    cost = StepCost()
+    for _ in range(5):
+        cost.record(2, 0.004)
+    assert cost.line(2) is None  # one row count: no slope yet
+    for t in (0.007, 0.008, 0.009):  # the first steps of a row count count alike
+        cost.record(6, t)
+        cost.record(10, t + 0.004)
+    a, b = cost.line(2)
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.001)
+    assert cost.line(3) is None  # not yet seen without proposals at 3 rows: no line to judge them by
+    flat = StepCost()
+    for _ in range(5):
+        flat.record(2, 0.005)
+        flat.record(9, 0.004)  # noise that would give a falling line: never cheaper per row than free
+    assert flat.line(2)[1] == 0.0
+
+
+class HalfRight:
+    """Proposes each request's reference continuation, but the first token spoiled every other time: a
+    request's drafts are accepted about half the time, whole or not at all."""
+
+    def __init__(self, refs: dict[tuple, list[int]], vocab: int) -> None:
+        self.refs, self.vocab, self.calls = refs, vocab, 0
+
+    def propose(self, wanted):
+        out = []
+        for req, k in wanted:
+            drafts = list(self.refs[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k])
+            self.calls += 1
+            if drafts and self.calls % 2:
+                drafts[0] = (drafts[0] + 1) % self.vocab
+            out.append(drafts)
+        return out
+
+
+class FixedCost:
+    def __init__(self, line) -> None:
+        self.fixed = line
+
+    def record(self, rows, seconds) -> None:
+        pass
+
+    def line(self, base):
+        return self.fixed
+
+
+def test_proposals_stop_where_the_rows_cost_more_than_they_bring(tiny_models):
+    """Drafts accepted half the time: with each verified row as costly as ten steps' fixed part, proposing
+    does not pay and stops once the requests' acceptance is known; with free rows it goes on. The outputs
+    are the reference either way, and the engine measures its steps' costs by row count."""
+    folder = tiny_models["llama"]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base = LLM(folder, dtype="float32")
+    ref = _tokens(base.generate(PROMPTS[:3], sp))
+    refs = {tuple(i): r for i, r in zip(_ids(base, PROMPTS[:3]), ref)}
+    drafted = {}
+    for name, line in (("costly", (1.0, 10.0)), ("free", (1.0, 0.0)), ("measured", None)):
+        llm = LLM(folder, dtype="float32", speculative_config=NGRAM, num_scheduler_steps=1)
+        llm.engine.proposer = HalfRight(refs, llm.engine.vocab_size)
+        if line is not None:
+            llm.engine.step_cost = FixedCost(line)
+        assert _tokens(llm.generate(PROMPTS[:3], sp)) == ref
+        drafted[name] = llm.engine.stats()["spec_decode_num_draft_tokens"]
+        if line is None:
+            counts = llm.engine.step_cost.counts
+            assert len(counts) >= 2 and max(counts) > 3  # decode steps seen, with proposals in some
+    assert drafted["free"] >= 80
+    assert drafted["costly"] <= drafted["free"] / 4
 
 
 @pytest.mark.parametrize("config, message", [

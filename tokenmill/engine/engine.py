@@ -22,7 +22,7 @@ from tokenmill.runner import ModelRunner, in_prompt, kv_bytes_per_block
 from tokenmill.sample import defaults as sampling_defaults
 from tokenmill.sample.sampler import needs_processing
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
-from tokenmill.spec.proposer import AdaptiveDraft, make_proposer
+from tokenmill.spec.proposer import AdaptiveDraft, StepCost, make_proposer, plan_drafts
 from tokenmill.spec.stats import SpecStats
 from tokenmill.structured.backend import GrammarMatcher, Grammars
 
@@ -126,6 +126,7 @@ class LLMEngine:
         # than running decodes: no proposals at all.
         self.spec_rows = cpu_kernels.max_gemv_rows() if self.device.type == "cpu" else 256
         self.proposer = make_proposer(spec, self) if spec is not None else None
+        self.step_cost = StepCost()  # what a decode step costs by its rows: how many proposals pay
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe())
 
@@ -223,6 +224,7 @@ class LLMEngine:
         step() returns nothing; a burst then runs only if no scheduled request streams (each streamed
         token must reach its client as soon as it is computed). Without it each request reports once,
         with all its new tokens."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         latest: dict[str, RequestOutput] = {}
 
@@ -240,6 +242,10 @@ class LLMEngine:
         if self.proposer is not None:
             self._count_verified(sched, results[-1])
             self._propose()
+            if sched.scheduled and all(
+                    s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled):
+                self.step_cost.record(sum(s.num_new_tokens for s in sched.scheduled),
+                                      (time.perf_counter() - start) / len(results))
         return list(latest.values())
 
     # ------------------------------------------------------------------ speculation
@@ -260,11 +266,11 @@ class LLMEngine:
     def _propose(self) -> None:
         """Proposals for every running request that decodes next (its last token is all it owes), for the
         next step to verify. Requests under a grammar get none: the grammar already narrows their choice."""
-        wanted = []
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         room = self.spec_rows - len(decoding)
         for req in self.scheduler.running:
             req.spec_token_ids = []
+        caps = []
         for req in decoding if room > 0 else ():
             if req.grammar is not None:
                 continue
@@ -273,8 +279,17 @@ class LLMEngine:
             # Never past max_tokens or the context: the step keeps at most every proposal plus one.
             k = min(req.spec_draft.want(), req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1, self._steps_before_recompute(req) - 1, room)
+            caps.append((req, max(k, 0)))
+        # As many as the step's measured cost by rows says pay, given each request's acceptance so far
+        # (every decoding request counts: its own token is a row either way).
+        ks = plan_drafts([r.spec_draft.acceptance for r, _ in caps], [k for _, k in caps], self.step_cost.line(len(decoding)),
+                         others=len(decoding) - len(caps))
+        wanted = []
+        for (req, cap), k in zip(caps, ks):
             if k > 0:
                 wanted.append((req, k))
+            elif cap > 0:
+                req.spec_draft.passed_over()
         # Called with none wanted too: a proposer with state of its own forgets finished requests there.
         for (req, _), drafts in zip(wanted, self.proposer.propose(wanted)):
             req.spec_token_ids = drafts[:max(room, 0)]  # oldest requests first while the step has room
