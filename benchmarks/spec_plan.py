@@ -1,8 +1,8 @@
 """What the engine's proposal planning sees and decides, offline on the default model at batch 1: the
 decode step's measured cost by query rows (StepCost) and how many tokens each planned step proposed
-against the most it might have.
+against the most it might have. With --batch N, the prompts go N at a time (one generate call each).
 
-    python benchmarks/spec_plan.py [--workload grounded|chat] [--k 3] [--max-tokens 128]
+    python benchmarks/spec_plan.py [--workload grounded|chat] [--k 3] [--max-tokens 128] [--batch 1]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=("grounded", "chat"), default="grounded")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
     decisions: collections.Counter = collections.Counter()
     plan = engine_module.plan_drafts
@@ -38,16 +39,19 @@ def main() -> None:
         return ks
 
     engine_module.plan_drafts = counted
-    llm = LLM(pull(), speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+    llm = LLM(pull(), speculative_config={"method": "ngram", "num_speculative_tokens": args.k},
+              max_num_seqs=max(args.batch, 1))
     convs = grounded_messages() if args.workload == "grounded" else chat_messages(8)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    for conv in convs[:8]:
-        llm.chat([conv], sp)
+    convs = convs[:8]
+    for i in range(0, len(convs), args.batch):
+        llm.chat(convs[i:i + args.batch], sp)
     cost = llm.engine.step_cost
     for rows in sorted(cost.times):
         print(f"{rows} rows: {cost.times[rows] * 1e3:.2f} ms a step ({cost.counts[rows]} steps)")
-    line = cost.line(1)
-    print("line: " + (f"{line[0] * 1e3:.2f} ms + {line[1] * 1e3:.2f} ms a row" if line else "none yet"))
+    line = cost.line(args.batch)
+    print(f"line (from {args.batch} rows): " +
+          (f"{line[0] * 1e3:.2f} ms + {line[1] * 1e3:.2f} ms a row" if line else "none yet"))
     print("planned steps, (most allowed, proposed): count")
     for (caps, ks), n in decisions.most_common():
         print(f"  {caps} -> {ks}: {n}")

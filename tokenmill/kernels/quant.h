@@ -147,7 +147,7 @@ struct Format {
   int bytes;   // bytes per block
 };
 
-// A repacked Q8_0 byte's int8 value (the layout stores q + 128), and that for 16 or 32 bytes at once.
+// A repacked Q8_0 byte's int8 value (the layout stores q + 128); q8_values below: 16 or 32 of them at once.
 inline int q8_value(uint8_t u) { return (int)u - 128; }
 
 inline bool format_of(int type, Format& f) {
