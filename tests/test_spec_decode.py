@@ -332,7 +332,8 @@ def test_plan_drafts_gives_the_most_expected_tokens_per_second(rates, caps, othe
     caps = caps[:len(rates)]
     ks = plan_drafts(rates, caps, (a, b), others)
     assert all(0 <= k <= c for k, c in zip(ks, caps))
-    best = max(_tokens_per_second(rates, list(c), others, a, b) for c in itertools.product(*(range(c + 1) for c in caps)))
+    allotments = itertools.product(*(range(c + 1) for c in caps))
+    best = max(_tokens_per_second(rates, list(c), others, a, b) for c in allotments)
     assert _tokens_per_second(rates, ks, others, a, b) >= best * (1 - 1e-9)
     assert plan_drafts(rates, caps, None, others) == caps  # no costs known yet: as many as allowed
 

@@ -282,8 +282,8 @@ class LLMEngine:
             caps.append((req, max(k, 0)))
         # As many as the step's measured cost by rows says pay, given each request's acceptance so far
         # (every decoding request counts: its own token is a row either way).
-        ks = plan_drafts([r.spec_draft.acceptance for r, _ in caps], [k for _, k in caps], self.step_cost.line(len(decoding)),
-                         others=len(decoding) - len(caps))
+        ks = plan_drafts([r.spec_draft.acceptance for r, _ in caps], [k for _, k in caps],
+                         self.step_cost.line(len(decoding)), others=len(decoding) - len(caps))
         wanted = []
         for (req, cap), k in zip(caps, ks):
             if k > 0:

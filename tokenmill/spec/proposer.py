@@ -59,8 +59,8 @@ class AdaptiveDraft:
 
     def passed_over(self) -> None:
         """The step's cost left this request without proposals (plan_drafts): after PAUSE_STEPS such steps
-        in a row its acceptance is taken as unknown again (0.5), so that it is tried anew rather than
-        judged for ever on its old drafts."""
+        in a row, an acceptance (and running rate) below 0.5 is taken as 0.5 again, so that the request is
+        tried anew rather than judged for ever on its old drafts."""
         self.idle += 1
         if self.idle >= self.PAUSE_STEPS:
             self.idle, self.rate = 0, max(self.rate, 0.5)
@@ -117,7 +117,7 @@ class StepCost:
         var = sum(n * (r - mr) ** 2 for r, _, n in seen)
         b = max(0.0, sum(n * (r - mr) * (t - mt) for r, t, n in seen) / var)
         a = mt - b * mr
-        if a <= 0:  # a line through the origin's side: keep the slope the times themselves give
+        if a <= 0:  # the fit would make a step with no rows free or better: proportional to rows instead
             b, a = mt / mr, 0.0
         return a, b
 
@@ -126,11 +126,10 @@ def plan_drafts(rates: list[float], caps: list[int], line: tuple[float, float] |
     """How many tokens to propose for each of a step's decoding requests, given each one's acceptance
     (AdaptiveDraft.acceptance) and the most it may take (caps), so that the step's expected tokens per
     second is greatest. A request whose proposed tokens are each accepted with probability p (given the
-    ones before) gains p^j from its j-th proposed token; the step
-    yields one token per request plus those gains, and costs a + b rows. Proposals go one at a time to the
-    request that gains most from its next one, while that raises tokens per second (the gains only fall,
-    so the first that does not ends it). others: the step's other decoding rows (a token each, no proposals).
-    Without a cost line: the caps."""
+    ones before) gains p^j from its j-th proposed token; the step yields one token per request plus those
+    gains, and costs a + b rows. Proposals go one at a time to the request that gains most from its next
+    one, while that raises tokens per second (the gains only fall, so the first that does not ends it).
+    others: the step's other decoding rows (a token each, no proposals). Without a cost line: the caps."""
     if line is None:
         return list(caps)
     a, b = line
