@@ -111,7 +111,7 @@ def test_matmul_matches_float64(kernels, qtype, batch):
 def test_a_row_s_product_does_not_depend_on_the_rows_beside_it(kernels, qtype):
     """Below float_rows, each input row's products are summed in one order whether it comes alone or with
     others (a decode step of one request and a verify step of its positions compute the same bits). Rows of
-    9, 20, 35 and 64 blocks: whole groups of four blocks, a pair and an odd block left over."""
+    9, 20, 35 and 64 blocks: whole groups of 16 blocks, and a last group of 9, 4 or 3."""
     rng = np.random.default_rng(int(qtype) + 7)
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     rows = min(6, kernels.float_rows() - 1)

@@ -10,19 +10,25 @@
 // Block layouts follow the GGUF specification (ggml's block_q8_0, block_q4_0, block_q4_1, block_q4_K,
 // block_q5_K, block_q6_K, block_q5_0, block_q5_1). The K formats are read as the file holds them. Rows of the
 // 32-element formats are repacked at load into the same bytes rearranged for the kernel (repack_row):
-//   Q8_0  [nb float16 scales d] [nb x 32 bytes q + 128] (the int8 values with their sign bit flipped: unsigned
+//   Q8_0  [nb float16 scales d] [codes: q + 128] (the int8 values with their sign bit flipped: unsigned
 //         bytes, which VNNI multiplies with the inputs' signed ones directly; the 128 comes back through the
 //         inputs' block sums, as Q4_0's 8 does)
-//   Q4_0  [nb float16 scales d] [quants]
-//   Q4_1  [nb float16 scales d] [nb float16 offsets m] [quants]
-//   Q5_0  [nb float16 scales d] [nb uint32 fifth bits] [quants]
-//   Q5_1  [nb float16 scales d] [nb float16 offsets m] [nb uint32 fifth bits] [quants]
-//   MXFP4 [nb E8M0 scales] [quants] (w = 2^(e - 127) v, v the FP4 (E2M1) value a 4-bit code names; gpt-oss)
-// (the fifth bits of a block: bit i for element i, as GGUF's qh) where the low 4 bits of blocks 2p and 2p+1
-// share 32 bytes, byte i holding element i of the first
-// block in its low nibble and element i of the second in its high nibble (so one 32-byte load splits into
-// 64 values in element order), and an odd last block keeps GGUF's 16 bytes (element j in the low nibble
-// of byte j, element j + 16 in its high nibble).
+//   Q4_0  [nb float16 scales d] [codes]
+//   Q4_1  [nb float16 scales d] [nb float16 offsets m] [codes]
+//   Q5_0  [nb float16 scales d] [fifth bits] [codes]
+//   Q5_1  [nb float16 scales d] [nb float16 offsets m] [fifth bits] [codes]
+//   MXFP4 [nb E8M0 scales] [codes] (w = 2^(e - 127) v, v the FP4 (E2M1) value a 4-bit code names; gpt-oss)
+// The codes come in groups of 16 blocks (the row's last group has the nb % 16 left, if any), each group's
+// blocks transposed by 4-byte words: word t of block l of a group of n blocks lies at word t n + l of the
+// group. A block's words are its code bytes as GGUF orders them: 8 for Q8_0 (elements 4t..4t+3), 4 for the
+// 4-bit formats (byte j holds element j in its low nibble and j + 16 in its high one, so word t holds
+// elements 4t..4t+3 and 16 + 4t..16 + 4t + 3). So the 64 bytes of word row t of a whole group hold word t
+// of its 16 blocks, one per int32 lane of a vector: a kernel's byte products in lane l all belong to block l
+// and sum in int32 over the group's word rows, to be converted and scaled once per group (not once per pair
+// of blocks). The activations are transposed alike (QRow::qt). The fifth bits (bit i of a GGUF block's qh for
+// element i) follow the codes: a group of n blocks has 4n bytes of them, the bits of the low nibbles of its
+// 4n code words, then those of the high nibbles, each word's 4 bits in its bytes' order (bits 4i..4i + 3 for
+// word i): a vector of 16 words' nibbles takes its 64 bits as one byte mask.
 #pragma once
 
 #include <cmath>
@@ -70,38 +76,176 @@ inline bool five_bits(int type) { return type == Q5_0 || type == Q5_1; }
 struct NibbleRow {
   const uint16_t* d;   // [nb] scales
   const uint16_t* m;   // [nb] offsets (has_min)
-  const uint32_t* qh;  // [nb] fifth bits (five_bits)
-  const uint8_t* qs;   // the low 4 bits, in pairs of blocks
+  const uint8_t* qh;   // [4 nb bytes] fifth bits (five_bits), by group (see the top of this file)
+  const uint8_t* qs;   // the codes, by group
   NibbleRow(int type, const uint8_t* row, int64_t nb)
-      : d((const uint16_t*)row), m(d + nb), qh((const uint32_t*)(row + (has_min(type) ? 4 : 2) * nb)),
+      : d((const uint16_t*)row), m(d + nb), qh(row + (has_min(type) ? 4 : 2) * nb),
         qs(row + ((has_min(type) ? 4 : 2) + (five_bits(type) ? 4 : 0)) * nb) {}
 };
 
-constexpr int QK = 32;    // the activation block, and the block of the 32-element formats
+constexpr int QK = 32;     // the activation block, and the block of the 32-element formats
+constexpr int kGroup = 16;  // blocks a group of repacked codes (see the top of this file)
 
-// Block b's 32 low-4-bit codes from the repacked pairs qs of a row of nb blocks (see the top of this file).
-inline void block_nibbles(const uint8_t* qs, int64_t b, int64_t nb, int* q) {
-  const uint8_t* p = qs + (b / 2) * 32;
-  if (b + 1 < nb || nb % 2 == 0) {  // one of a pair: low nibbles for the first, high for the second
-    for (int i = 0; i < 32; ++i) q[i] = b % 2 ? p[i] >> 4 : p[i] & 0xF;
-  } else {  // an odd last block, as GGUF holds it
-    for (int i = 0; i < 16; ++i) q[i] = p[i] & 0xF, q[i + 16] = p[i] >> 4;
+// The 4-byte code words of a block: 8 for Q8_0 (and the activations), 4 for the 4-bit formats.
+inline int code_words(int type) { return type == Q8_0 ? 8 : 4; }
+// The blocks of the group that starts at block g of a row of nb.
+inline int group_blocks(int64_t g, int64_t nb) { return (int)std::min<int64_t>(kGroup, nb - g); }
+
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+// In place, the 4 x 4 words of each 128-bit lane of v[0..3] (a vector a row) transposed.
+TM_INLINE void transpose_lane_words(__m512i v[4]) {
+  const __m512i u0 = _mm512_unpacklo_epi32(v[0], v[1]), u1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i u2 = _mm512_unpacklo_epi32(v[2], v[3]), u3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  v[0] = _mm512_unpacklo_epi64(u0, u2), v[1] = _mm512_unpackhi_epi64(u0, u2);
+  v[2] = _mm512_unpacklo_epi64(u1, u3), v[3] = _mm512_unpackhi_epi64(u1, u3);
+}
+// In place, the 4 x 4 128-bit lanes of v[0..3] transposed.
+TM_INLINE void transpose_lanes(__m512i v[4]) {
+  const __m512i a = _mm512_shuffle_i32x4(v[0], v[1], 0x44), b = _mm512_shuffle_i32x4(v[2], v[3], 0x44);
+  const __m512i c = _mm512_shuffle_i32x4(v[0], v[1], 0xEE), d = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+  v[0] = _mm512_shuffle_i32x4(a, b, 0x88), v[1] = _mm512_shuffle_i32x4(a, b, 0xDD);
+  v[2] = _mm512_shuffle_i32x4(c, d, 0x88), v[3] = _mm512_shuffle_i32x4(c, d, 0xDD);
+}
+// A whole group's w (4 or 8) word rows, 64 bytes each, to or from its 16 blocks of 4 w bytes in a row.
+// Word rows to blocks: each lane's words transposed, then the lanes (16 blocks of 4 words); with 8 words,
+// rows 0-3 and 4-7 so, then each block's two halves put side by side. Blocks to word rows: the inverse.
+TM_INLINE void group_to_blocks(const uint8_t* group, int w, uint8_t* blocks) {
+  __m512i h[2][4];
+  for (int k = 0; k < w / 4; ++k) {
+    for (int t = 0; t < 4; ++t) h[k][t] = _mm512_loadu_si512((const void*)(group + 64 * (4 * k + t)));
+    transpose_lane_words(h[k]);
+    transpose_lanes(h[k]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    if (w == 4) {
+      _mm512_storeu_si512((void*)(blocks + 64 * j), h[0][j]);
+      continue;
+    }
+    const __m512i x = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0x44), y = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0xEE);
+    _mm512_storeu_si512((void*)(blocks + 128 * j), _mm512_shuffle_i32x4(x, x, 0xD8));
+    _mm512_storeu_si512((void*)(blocks + 128 * j + 64), _mm512_shuffle_i32x4(y, y, 0xD8));
+  }
+}
+TM_INLINE void blocks_to_group(const uint8_t* blocks, int w, uint8_t* group) {
+  __m512i h[2][4];
+  for (int j = 0; j < 4; ++j) {
+    if (w == 4) {
+      h[0][j] = _mm512_loadu_si512((const void*)(blocks + 64 * j));
+      continue;
+    }
+    __m512i x = _mm512_loadu_si512((const void*)(blocks + 128 * j)), y = _mm512_loadu_si512((const void*)(blocks + 128 * j + 64));
+    x = _mm512_shuffle_i32x4(x, x, 0xD8), y = _mm512_shuffle_i32x4(y, y, 0xD8);
+    h[0][j] = _mm512_shuffle_i32x4(x, y, 0x44), h[1][j] = _mm512_shuffle_i32x4(x, y, 0xEE);
+  }
+  for (int k = 0; k < w / 4; ++k) {
+    transpose_lanes(h[k]);
+    transpose_lane_words(h[k]);
+    for (int t = 0; t < 4; ++t) _mm512_storeu_si512((void*)(group + 64 * (4 * k + t)), h[k][t]);
+  }
+}
+#endif
+
+// The codes of a row of nb blocks (w words each) into groups: block b's words from blocks + b * stride.
+inline void codes_to_groups(const uint8_t* blocks, int64_t stride, int w, int64_t nb, uint8_t* out) {
+  for (int64_t g = 0; g < nb; g += kGroup) {
+    const int n = group_blocks(g, nb);
+    uint8_t* group = out + g * 4 * w;
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+    if (n == kGroup && stride == 4 * w) {
+      blocks_to_group(blocks + g * stride, w, group);
+      continue;
+    }
+#endif
+    for (int t = 0; t < w; ++t)
+      for (int l = 0; l < n; ++l) std::memcpy(group + 4 * (t * n + l), blocks + (g + l) * stride + 4 * t, 4);
   }
 }
 
-// The repacked pairs qs from a row of nb GGUF blocks of `bytes` each whose 16 code bytes start at `hdr`.
-inline void pair_nibbles(const uint8_t* in, int64_t bytes, int hdr, int64_t nb, uint8_t* qs) {
-  for (int64_t b = 0; b + 1 < nb; b += 2) {
-    const uint8_t* qa = in + b * bytes + hdr;
-    const uint8_t* qb = qa + bytes;
-    uint8_t* o = qs + (b / 2) * 32;
-    for (int i = 0; i < 16; ++i) {
-      o[i] = (qa[i] & 0xF) | (qb[i] & 0xF) << 4;     // elements i
-      o[i + 16] = (qa[i] >> 4) | (qb[i] >> 4) << 4;  // elements i + 16
+// The inverse: a row's grouped codes back into blocks of 4 w bytes in a row.
+inline void groups_to_codes(const uint8_t* groups, int w, int64_t nb, uint8_t* blocks) {
+  for (int64_t g = 0; g < nb; g += kGroup) {
+    const int n = group_blocks(g, nb);
+    const uint8_t* group = groups + g * 4 * w;
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+    if (n == kGroup) {
+      group_to_blocks(group, w, blocks + g * 4 * w);
+      continue;
+    }
+#endif
+    for (int t = 0; t < w; ++t)
+      for (int l = 0; l < n; ++l) std::memcpy(blocks + (g + l) * 4 * w + 4 * t, group + 4 * (t * n + l), 4);
+  }
+}
+
+// Where fifth bit e of block l of a group of n blocks lies in the group's 4n bytes of them (see the top of
+// this file): elements 4t + c and 16 + 4t + c are bit c of the low and high nibbles of code word t n + l.
+inline int fifth_bit_index(int l, int e, int n) { return (e >= 16 ? 16 * n : 0) + 4 * ((e & 15) / 4 * n + l) + (e & 3); }
+
+// A row's fifth bits from GGUF's (block b's 32 bits at blocks + b * stride), by group.
+inline void fifth_bits_to_groups(const uint8_t* blocks, int64_t stride, int64_t nb, uint8_t* out) {
+  std::memset(out, 0, 4 * nb);
+  for (int64_t g = 0; g < nb; g += kGroup) {
+    const int n = group_blocks(g, nb);
+    for (int l = 0; l < n; ++l) {
+      uint32_t h;
+      std::memcpy(&h, blocks + (g + l) * stride, 4);
+      for (int e = 0; e < 32; ++e)
+        if ((h >> e) & 1) {
+          const int i = fifth_bit_index(l, e, n);
+          out[4 * g + i / 8] |= (uint8_t)(1 << (i % 8));
+        }
     }
   }
-  if (nb % 2) std::memcpy(qs + (nb / 2) * 32, in + (nb - 1) * bytes + hdr, 16);
 }
+
+// The inverse: block b's fifth bits as GGUF holds them (bit i for element i) into h[b].
+inline void groups_to_fifth_bits(const uint8_t* groups, int64_t nb, uint32_t* h) {
+  for (int64_t g = 0; g < nb; g += kGroup) {
+    const int n = group_blocks(g, nb);
+    const uint8_t* bits = groups + 4 * g;
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+    if (n == kGroup) {  // word row t's 64 bits hold nibble t of each block's low (then high) 16 bits
+      const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i shift = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+      __m512i v = _mm512_setzero_si512();
+      for (int k = 0; k < 8; ++k) {  // k = t (low nibbles), 4 + t (high)
+        uint64_t word;
+        std::memcpy(&word, bits + 8 * k, 8);
+        const __m512i nib = _mm512_srlv_epi32(_mm512_permutexvar_epi32(half, _mm512_set1_epi64((long long)word)), shift);
+        v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(nib, _mm512_set1_epi32(0xF)), 4 * k));
+      }
+      _mm512_storeu_si512((void*)(h + g), v);
+      continue;
+    }
+#endif
+    for (int l = 0; l < n; ++l) {
+      uint32_t v = 0;
+      for (int e = 0; e < 32; ++e) {
+        const int i = fifth_bit_index(l, e, n);
+        v |= (uint32_t)((bits[i / 8] >> (i % 8)) & 1) << e;
+      }
+      h[g + l] = v;
+    }
+  }
+}
+
+// A row's codes and fifth bits in block order, as GGUF holds them (Q8_0: 32 bytes q + 128 a block; the 4-bit
+// formats: 16 bytes, element j in the low nibble of byte j, j + 16 in its high one): for the readers that
+// go block by block (dequantization, AMX tiles). Kept per thread between calls.
+struct BlockCodes {
+  std::vector<uint8_t> codes;
+  std::vector<uint32_t> h;  // five_bits formats
+  void set(int type, const uint8_t* qs, const uint8_t* qh, int64_t nb) {
+    const int w = code_words(type);
+    codes.resize(nb * 4 * w);
+    groups_to_codes(qs, w, nb, codes.data());
+    if (qh) {
+      h.resize(nb);
+      groups_to_fifth_bits(qh, nb, h.data());
+    }
+  }
+  const uint8_t* block(int64_t b, int w) const { return codes.data() + b * 4 * w; }
+};
 
 constexpr int QKK = 256;  // the super-block of the K formats
 
@@ -172,17 +316,20 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
     case Q8_0: {
       const int64_t nb = K / QK;
       const uint16_t* d = (const uint16_t*)row;
-      const uint8_t* qs = row + 2 * nb;
-      for (int64_t i = 0; i < K; ++i) y[i] = fp16(d[i / QK]) * q8_value(qs[i]);
+      thread_local BlockCodes c;
+      c.set(type, row + 2 * nb, nullptr, nb);
+      for (int64_t i = 0; i < K; ++i) y[i] = fp16(d[i / QK]) * q8_value(c.codes[i]);
       break;
     }
-    case MXFP4: {  // the repacked layout: scales, then the codes in pairs of blocks as the 4-bit formats'
+    case MXFP4: {  // the repacked layout: scales, then the codes by group as the 4-bit formats'
       const int64_t nb = K / QK;
+      thread_local BlockCodes c;
+      c.set(type, row + nb, nullptr, nb);
       for (int64_t b = 0; b < nb; ++b) {
-        int q[32];
-        block_nibbles(row + nb, b, nb, q);
+        const uint8_t* p = c.block(b, 4);
         const float d = e8m0_half(row[b]);
-        for (int i = 0; i < 32; ++i) y[b * 32 + i] = d * kFp4Doubled[q[i]];
+        for (int i = 0; i < 16; ++i)
+          y[b * 32 + i] = d * kFp4Doubled[p[i] & 0xF], y[b * 32 + 16 + i] = d * kFp4Doubled[p[i] >> 4];
       }
       break;
     }
@@ -194,16 +341,15 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
       const NibbleRow r(type, row, nb);
       const uint16_t* d = r.d;
       const uint16_t* m = has_min(type) ? r.m : nullptr;
-      const uint8_t* qs = r.qs;
+      thread_local BlockCodes c;
+      c.set(type, r.qs, five_bits(type) ? r.qh : nullptr, nb);
       const float bias = five_bits(type) ? 16.f : 8.f;
       for (int64_t b = 0; b < nb; ++b) {
         int q[32];
-        block_nibbles(qs, b, nb, q);
-        if (five_bits(type)) {
-          uint32_t h;
-          std::memcpy(&h, r.qh + b, 4);
-          for (int i = 0; i < 32; ++i) q[i] |= ((h >> i) & 1) << 4;
-        }
+        const uint8_t* p = c.block(b, 4);
+        for (int i = 0; i < 16; ++i) q[i] = p[i] & 0xF, q[i + 16] = p[i] >> 4;
+        if (five_bits(type))
+          for (int i = 0; i < 32; ++i) q[i] |= ((c.h[b] >> i) & 1) << 4;
         float db = fp16(d[b]), mb = m ? fp16(m[b]) : 0.f;
         for (int i = 0; i < 32; ++i) y[b * 32 + i] = m ? db * q[i] + mb : db * (q[i] - bias);
       }
@@ -280,12 +426,13 @@ TM_INLINE __m256i q8_values(__m256i u) { return _mm256_xor_si256(u, _mm256_set1_
 inline void dequantize_q8_0(const uint8_t* row, float* y, int64_t K) {
   const int64_t nb = K / QK;
   const uint16_t* d = (const uint16_t*)row;
-  const uint8_t* qs = row + 2 * nb;
+  thread_local BlockCodes c;
+  c.set(Q8_0, row + 2 * nb, nullptr, nb);
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 db = _mm512_set1_ps(fp16(d[b]));
-    for (int c = 0; c < 2; ++c) {
-      __m128i q8 = q8_values(_mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c)));
-      _mm512_storeu_ps(y + b * QK + 16 * c, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))));
+    for (int k = 0; k < 2; ++k) {
+      __m128i q8 = q8_values(_mm_loadu_si128((const __m128i*)(c.block(b, 8) + 16 * k)));
+      _mm512_storeu_ps(y + b * QK + 16 * k, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))));
     }
   }
 }
@@ -300,39 +447,31 @@ inline __m256i fifth_bits(const uint32_t* h) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
-// Q4_0: d (q - 8); Q4_1: d q + m; Q5_0: d (q - 16); Q5_1: d q + m, with q's fifth bit. Pairs of blocks from one
-// 32-byte load; an odd last block as GGUF holds it.
+// Q4_0: d (q - 8); Q4_1: d q + m; Q5_0: d (q - 16); Q5_1: d q + m, with q's fifth bit.
 template <bool HAS_MIN, bool FIVE>
 inline void dequantize_q4_01(const uint8_t* row, float* y, int64_t K) {
   const int64_t nb = K / QK;
   const NibbleRow r(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
   const uint16_t* d = r.d;
   const uint16_t* m = r.m;
-  const uint8_t* qs = r.qs;
+  thread_local BlockCodes c;
+  c.set(Q4_0, r.qs, FIVE ? r.qh : nullptr, nb);
   const __m512 bias = _mm512_set1_ps(FIVE ? 16.f : 8.f), zero = _mm512_setzero_ps();
-  auto block = [&](int64_t b, __m128i lo16, __m128i hi16) {  // elements 0-15 and 16-31 of block b
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
+    __m128i lo16 = _mm_and_si128(q, m4), hi16 = _mm_and_si128(_mm_srli_epi16(q, 4), m4);  // elements 0-15, 16-31
     const __m512 db = _mm512_set1_ps(fp16(d[b]));
     const __m512 mb = HAS_MIN ? _mm512_set1_ps(fp16(m[b])) : zero;
     if (FIVE) {
-      const __m256i h = fifth_bits(r.qh + b);
+      const __m256i h = fifth_bits(&c.h[b]);
       lo16 = _mm_or_si128(lo16, _mm256_castsi256_si128(h)), hi16 = _mm_or_si128(hi16, _mm256_extracti128_si256(h, 1));
     }
     float* yb = y + b * QK;
-    for (int c = 0; c < 2; ++c) {
-      __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c ? hi16 : lo16));
-      _mm512_storeu_ps(yb + 16 * c, HAS_MIN ? _mm512_add_ps(_mm512_mul_ps(db, q), mb) : _mm512_mul_ps(db, _mm512_sub_ps(q, bias)));
+    for (int k = 0; k < 2; ++k) {
+      __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k ? hi16 : lo16));
+      _mm512_storeu_ps(yb + 16 * k, HAS_MIN ? _mm512_add_ps(_mm512_mul_ps(db, v), mb) : _mm512_mul_ps(db, _mm512_sub_ps(v, bias)));
     }
-  };
-  const __m128i m4 = _mm_set1_epi8(0xF);
-  for (int64_t b = 0; b + 1 < nb; b += 2) {
-    const uint8_t* p = qs + (b / 2) * 32;
-    __m128i q0 = _mm_loadu_si128((const __m128i*)p), q1 = _mm_loadu_si128((const __m128i*)(p + 16));
-    block(b, _mm_and_si128(q0, m4), _mm_and_si128(q1, m4));
-    block(b + 1, _mm_and_si128(_mm_srli_epi16(q0, 4), m4), _mm_and_si128(_mm_srli_epi16(q1, 4), m4));
-  }
-  if (nb % 2) {
-    __m128i q = _mm_loadu_si128((const __m128i*)(qs + (nb / 2) * 32));
-    block(nb - 1, _mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
   }
 }
 
@@ -459,13 +598,14 @@ inline void store_lookup(uint16_t* y, __m256i idx8, __m512i table) {
 inline void dequantize_bf16_q8_0(const uint8_t* row, uint16_t* y, int64_t K) {
   const int64_t nb = K / QK;
   const uint16_t* d = (const uint16_t*)row;
-  const uint8_t* qs = row + 2 * nb;
+  thread_local BlockCodes c;
+  c.set(Q8_0, row + 2 * nb, nullptr, nb);
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 db = _mm512_set1_ps(fp16(d[b]));
-    for (int c = 0; c < 2; ++c) {
+    for (int k = 0; k < 2; ++k) {
       const __m512 q =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8_values(_mm_loadu_si128((const __m128i*)(qs + b * QK + 16 * c)))));
-      _mm256_storeu_si256((__m256i*)(y + b * QK + 16 * c), bf16x16(_mm512_mul_ps(db, q)));
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8_values(_mm_loadu_si128((const __m128i*)(c.block(b, 8) + 16 * k)))));
+      _mm256_storeu_si256((__m256i*)(y + b * QK + 16 * k), bf16x16(_mm512_mul_ps(db, q)));
     }
   }
 }
@@ -474,25 +614,20 @@ template <bool HAS_MIN, bool FIVE>
 inline void dequantize_bf16_q4_01(const uint8_t* row, uint16_t* y, int64_t K) {
   const int64_t nb = K / QK;
   const NibbleRow r(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
+  thread_local BlockCodes c;
+  c.set(Q4_0, r.qs, FIVE ? r.qh : nullptr, nb);
+  const __m128i m4 = _mm_set1_epi8(0xF);
   // Q4_0: d q - 8 d, equal to the float path's d (q - 8): every product here is exact in float32 (an 11-bit
   // scale times a 4- or 5-bit integer), so the difference is too (Q5_0: d q - 16 d). Q4_1, Q5_1: d q + m.
-  auto table = [&](int64_t b) {
+  for (int64_t b = 0; b < nb; ++b) {
     const float db = fp16(r.d[b]), bias = FIVE ? 16.f : 8.f;
     const float off = HAS_MIN ? fp16(r.m[b]) : bias * db;
-    return FIVE ? table32(db, off, !HAS_MIN) : table16(db, off, !HAS_MIN);
-  };
-  auto five = [&](__m256i idx, int64_t b) { return FIVE ? _mm256_or_si256(idx, fifth_bits(r.qh + b)) : idx; };
-  for (int64_t b = 0; b + 1 < nb; b += 2) {
-    const __m256i q = _mm256_loadu_si256((const __m256i*)(r.qs + (b / 2) * 32));
-    store_lookup(y + b * QK, five(_mm256_and_si256(q, m4), b), table(b));
-    store_lookup(y + (b + 1) * QK, five(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), b + 1), table(b + 1));
-  }
-  if (nb % 2) {  // the odd last block, GGUF's nibble order
-    const __m128i q = _mm_loadu_si128((const __m128i*)(r.qs + (nb / 2) * 32)), m = _mm_set1_epi8(0xF);
-    const __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)),
-                                                _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
-    store_lookup(y + (nb - 1) * QK, five(idx, nb - 1), table(nb - 1));
+    const __m512i table = FIVE ? table32(db, off, !HAS_MIN) : table16(db, off, !HAS_MIN);
+    const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
+    __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
+                                          _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+    if (FIVE) idx = _mm256_or_si256(idx, fifth_bits(&c.h[b]));
+    store_lookup(y + b * QK, idx, table);
   }
 }
 
@@ -565,29 +700,30 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
     std::memcpy(out, in, nb * f.bytes);
     return;
   }
-  if (type == MXFP4) {  // [nb scales] then the codes paired as below (a GGUF block: its scale, 16 bytes of codes)
+  if (type == MXFP4) {  // [nb scales] then the codes by group (a GGUF block: its scale, 16 bytes of codes)
     for (int64_t b = 0; b < nb; ++b) out[b] = in[b * f.bytes];
-    pair_nibbles(in, f.bytes, 1, nb, out + nb);
+    codes_to_groups(in + 1, f.bytes, 4, nb, out + nb);
     return;
   }
   const bool min = has_min(type), five = five_bits(type);
   const int hdr = 2 + (min ? 2 : 0) + (five ? 4 : 0);  // scale, offset and fifth-bit bytes of a GGUF block
   uint16_t* d = (uint16_t*)out;
   uint16_t* m = min ? d + nb : nullptr;
-  uint8_t* qh = out + (min ? 4 : 2) * nb;
   uint8_t* qs = out + hdr * nb;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = in + b * f.bytes;
     std::memcpy(&d[b], blk, 2);
     if (m) std::memcpy(&m[b], blk + 2, 2);
-    if (five) std::memcpy(qh + 4 * b, blk + (min ? 4 : 2), 4);
   }
+  if (five) fifth_bits_to_groups(in + (min ? 4 : 2), f.bytes, nb, out + (min ? 4 : 2) * nb);
   if (type == Q8_0) {
+    std::vector<uint8_t> u(nb * QK);
     for (int64_t b = 0; b < nb; ++b)
-      for (int i = 0; i < 32; ++i) qs[b * 32 + i] = in[b * f.bytes + 2 + i] ^ 0x80;
+      for (int i = 0; i < 32; ++i) u[b * QK + i] = in[b * f.bytes + 2 + i] ^ 0x80;
+    codes_to_groups(u.data(), QK, 8, nb, qs);
     return;
   }
-  pair_nibbles(in, f.bytes, hdr, nb, qs);
+  codes_to_groups(in + hdr, f.bytes, 4, nb, qs);
 }
 
 // ---------------------------------------------------------------------------------------------- activations
@@ -595,7 +731,8 @@ inline void repack_row(int type, const uint8_t* in, uint8_t* out, int64_t K) {
 // Activation rows quantized to int8 in blocks of 32: q[K] per row, d[K/32] the block scales, s[K/32] each
 // block's value sum d * sum(q) (the offsets and mins of the weight formats multiply it). q4, where given:
 // the same values with the blocks of each whole group of four in the order 0, 2, 1, 3 (quad_order), which
-// the 4- and 5-bit formats read two pairs of blocks at a time in.
+// the K formats read two pairs of sub-blocks at a time in. qt, where given: the same values in groups of 16
+// blocks transposed by 4-byte words as the 32-element formats' codes are (group_order; the top of this file).
 struct QRow {
   const int8_t* q;
   const float* d;
@@ -605,6 +742,7 @@ struct QRow {
   // The same row rounded with one scale per 256 values (quantize_activation_row's per256), with its q4 and
   // sums16: where given, the K formats' rows take it. (A row already rounded so points to itself.)
   const QRow* per256 = nullptr;
+  const int8_t* qt = nullptr;
 };
 
 // The K formats' rows multiply inputs with one scale per 256 values: a super-block's integer sub-block
@@ -612,8 +750,8 @@ struct QRow {
 inline bool wants_per256(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 // q4 = q with blocks 4j + 1 and 4j + 2 swapped in every whole group of four blocks (the rest left out): the
-// 64 bytes of one load of a 4-bit row hold blocks 4j, 4j + 2 in their low nibbles and 4j + 1, 4j + 3 in
-// their high ones.
+// 64 bytes of one load of a Q4_K or Q5_K super-block hold sub-blocks 4j, 4j + 2 in their low nibbles and
+// 4j + 1, 4j + 3 in their high ones.
 inline void quad_order(const int8_t* q, int64_t K, int8_t* q4) {
   for (int64_t j = 0; j < K / (4 * QK); ++j) {
     const int8_t* a = q + j * 4 * QK;
@@ -623,6 +761,11 @@ inline void quad_order(const int8_t* q, int64_t K, int8_t* q4) {
     std::memcpy(b + 2 * QK, a + QK, QK);
     std::memcpy(b + 3 * QK, a + 3 * QK, QK);
   }
+}
+
+// qt = q in groups of 16 blocks, each group's 8-word blocks transposed (word t of block l at word t n + l).
+inline void group_order(const int8_t* q, int64_t K, int8_t* qt) {
+  codes_to_groups((const uint8_t*)q, QK, 8, K / QK, (uint8_t*)qt);
 }
 
 // d = max|x| / 127, q = round-to-nearest-even(x * (127 / max|x|)); an all-zero block gets d = 0. With
@@ -704,20 +847,6 @@ TM_INLINE __m512i dot4(__m512i u, __m512i s) {
 #endif
 }
 
-// 64 bytes [low nibbles of q | high nibbles of q].
-TM_INLINE __m512i nibbles(__m256i q) {
-  const __m256i m = _mm256_set1_epi8(0xF);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m)),
-                            _mm256_and_si256(_mm256_srli_epi16(q, 4), m), 1);
-}
-
-// Lanes 0-7 take element 2k of a vector of per-block scales, lanes 8-15 element 2k + 1: the scales of the
-// two 32-element blocks one 64-byte product covers.
-TM_INLINE __m512 pair_scales(__m512 v, int k) {
-  const __m512i lo = _mm512_set1_epi32(2 * k), hi = _mm512_set1_epi32(2 * k + 1);
-  return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xFF00, lo, hi), v);
-}
-
 TM_INLINE float hsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
 // v in the low half, zeros in the high one (a cast leaves the high half undefined: SIMDe fills it).
@@ -725,107 +854,102 @@ TM_INLINE __m512 zext(__m256 v) {
   return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_castps_si256(v), 0));
 }
 
-// Q8_0: w = d q. Blocks are taken 16 at a time, so their scales are multiplied as one vector.
+// acc + dot4(u, s): one instruction with VNNI.
+TM_INLINE __m512i dot4_add(__m512i acc, __m512i u, __m512i s) {
+#ifdef TM_QUANT_VNNI
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, dot4(u, s));
+#endif
+}
+
+// A row's last group when it has fewer than 16 blocks (n): its 4n (or 8n) code words are taken 16 at a time,
+// so a vector's lanes belong to several blocks, lane k of vector v to block (16 v + k) mod n: each product
+// is scaled by its own lane's block scale (these indexes pick it from the group's scales).
+struct TailLanes {
+  alignas(64) int32_t block[kGroup + 1][8][16];
+  TailLanes() {
+    for (int n = 1; n <= kGroup; ++n)
+      for (int v = 0; v < 8; ++v)
+        for (int k = 0; k < 16; ++k) block[n][v][k] = (16 * v + k) % n;
+  }
+};
+inline const TailLanes kTailLanes;
+
+// The int8 products of a 64-byte vector of words: signed weights q (Q8_0's, without VNNI) by signed inputs,
+// as unsigned |q| by the inputs with q's sign.
+TM_INLINE __m512i dot4_signed(__m512i q, __m512i x) {
+  const __mmask64 neg = _mm512_movepi8_mask(q);
+  return dot4(_mm512_abs_epi8(q), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+
+// Q8_0: w = d q, the codes by group (see the top of this file). A whole group's products sum per block in
+// int32 over its 8 word rows (two chains), then take one conversion and one multiply-add by the 16 blocks'
+// scales. With VNNI the stored unsigned bytes u = q + 128 multiply the signed inputs directly, so
+// sum(w x) = d (sum(u x) - 128 sum(x)) per block, the second term through the inputs' block sums s (one
+// multiply-add a 16 blocks); without it, the codes are made signed again.
 template <int R>
 inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
   const uint16_t* dp = (const uint16_t*)row;
   const uint8_t* qs = row + 2 * nb;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < nb; g += 16) {
-    const int n = (int)std::min<int64_t>(16, nb - g);
-    const __mmask16 mask = (__mmask16)((1u << n) - 1);
-    __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
-    __m512 scale[R];
-    for (int r = 0; r < R; ++r) scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
-    for (int k = 0; k < n; ++k) {
-      __m512i wv = _mm512_cvtepi8_epi16(q8_values(_mm256_loadu_si256((const __m256i*)(qs + (g + k) * QK))));
-      const __m512i lane = _mm512_set1_epi32(k);
-      for (int r = 0; r < R; ++r) {
-        __m512i xv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(x[r].q + (g + k) * QK)));
-        __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(wv, xv));
-        acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(lane, scale[r]), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
 #ifdef TM_QUANT_VNNI
-// Q8_0 with VNNI: the stored unsigned bytes u = q + 128 times the signed inputs, two blocks per 64-byte
-// product, so sum(w x) = d (sum(u x) - 128 sum(x)) per block, the second term through the inputs' block sums
-// s (one multiply-add a 16 blocks). Even and odd pairs of blocks sum in two chains (their latency, not the
-// ports, would otherwise bound a short row).
-template <int R>
-inline void dot_q8_0_vnni(const uint8_t* row, const QRow* x, int64_t K, float* out) {
-  const int64_t nb = K / QK;
-  auto vnni_dot4 = [](__m512i u, __m512i v) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, v); };
-  const uint16_t* dp = (const uint16_t*)row;
-  const uint8_t* qs = row + 2 * nb;
-  // Lanes 0-7 take the scale of the pair's first block, lanes 8-15 of its second: blocks 0 and 1, then +2 a pair.
-  const __m512i first_pair = _mm512_mask_blend_epi32(0xFF00, _mm512_setzero_si512(), _mm512_set1_epi32(1));
-  const __m512i two = _mm512_set1_epi32(2), four = _mm512_set1_epi32(4);
+  auto codes = [](__m512i u) { return u; };
+  auto product = [](__m512i acc, __m512i u, __m512i xv) { return _mm512_dpbusd_epi32(acc, u, xv); };
+#else
+  auto codes = [](__m512i u) { return _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80)); };
+  auto product = [](__m512i acc, __m512i q, __m512i xv) { return _mm512_add_epi32(acc, dot4_signed(q, xv)); };
+#endif
   __m512 acc[R], acc2[R];
   for (int r = 0; r < R; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < nb; g += 16) {
-    const int n = (int)std::min<int64_t>(16, nb - g);
+  for (int64_t g = 0; g < nb; g += kGroup) {
+    const int n = group_blocks(g, nb);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
     const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
-    const __m512 offset = _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));
     __m512 scale[R];
     for (int r = 0; r < R; ++r) {
       scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
-      acc2[r] = _mm512_fmadd_ps(offset, _mm512_maskz_loadu_ps(mask, x[r].s + g), acc2[r]);
+#ifdef TM_QUANT_VNNI
+      acc2[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(-128.f)), _mm512_maskz_loadu_ps(mask, x[r].s + g), acc2[r]);
+#endif
     }
-    __m512i i0 = first_pair, i1 = _mm512_add_epi32(first_pair, two);
-    int k = 0;
-    for (; k + 1 < n / 2; k += 2, i0 = _mm512_add_epi32(i0, four), i1 = _mm512_add_epi32(i1, four)) {
-      const __m512i w0 = _mm512_loadu_si512((const void*)(qs + (g + 2 * k) * QK));
-      const __m512i w1 = _mm512_loadu_si512((const void*)(qs + (g + 2 * k + 2) * QK));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x[r].q + (g + 2 * k) * QK;
-        const __m512 p0 = _mm512_cvtepi32_ps(vnni_dot4(w0, _mm512_loadu_si512((const void*)xq)));
-        const __m512 p1 = _mm512_cvtepi32_ps(vnni_dot4(w1, _mm512_loadu_si512((const void*)(xq + 2 * QK))));
-        acc[r] = _mm512_fmadd_ps(p0, _mm512_permutexvar_ps(i0, scale[r]), acc[r]);
-        acc2[r] = _mm512_fmadd_ps(p1, _mm512_permutexvar_ps(i1, scale[r]), acc2[r]);
+    const uint8_t* w = qs + g * QK;
+    if (n == kGroup) {
+      __m512i a[R], b[R];
+      for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        const __m512i w0 = codes(_mm512_loadu_si512((const void*)(w + 64 * t)));
+        const __m512i w1 = codes(_mm512_loadu_si512((const void*)(w + 64 * t + 64)));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xp = x[r].qt + g * QK + 64 * t;
+          a[r] = product(a[r], w0, _mm512_loadu_si512((const void*)xp));
+          b[r] = product(b[r], w1, _mm512_loadu_si512((const void*)(xp + 64)));
+        }
       }
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), scale[r], acc[r]);
+      continue;
     }
-    if (k < n / 2) {  // an odd number of pairs: the last one
-      const __m512i w = _mm512_loadu_si512((const void*)(qs + (g + 2 * k) * QK));
+    for (int v = 0; 16 * v < 8 * n; ++v) {  // the row's last, partial group
+      const __mmask16 lanes = (__mmask16)((1u << std::min(16, 8 * n - 16 * v)) - 1);
+      const __m512i wv = codes(_mm512_maskz_loadu_epi32(lanes, w + 64 * v));
+      const __m512i pick = _mm512_load_si512((const void*)kTailLanes.block[n][v]);
       for (int r = 0; r < R; ++r) {
-        const __m512 p = _mm512_cvtepi32_ps(vnni_dot4(w, _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK))));
-        acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(i0, scale[r]), acc[r]);
-      }
-    }
-    if (n % 2) {  // an odd last block: its 32 products in the low 8 lanes (the high ones multiply zeros)
-      const int64_t b = g + n - 1;
-      const __m512i w = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(qs + b * QK)));
-      for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(x[r].q + b * QK)));
-        const __m512 p = _mm512_cvtepi32_ps(vnni_dot4(w, xv));
-        acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(_mm512_set1_epi32(n - 1), scale[r]), acc[r]);
+        const __m512i xv = _mm512_maskz_loadu_epi32(lanes, x[r].qt + g * QK + 64 * v);
+        const __m512 p = _mm512_cvtepi32_ps(product(_mm512_setzero_si512(), wv, xv));
+        acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], acc2[r]);
 }
-#endif
 
-// The fifth bits of two blocks as a mask over the 64 bytes that hold them: bit i of the first block's word
-// for byte i, of the second's for byte 32 + i. (The words are read byte-wise: a repacked row's need not be
-// 4-byte aligned.)
-TM_INLINE __mmask64 fifth_bits_mask(const uint32_t* first, const uint32_t* second) {
-  uint32_t a, b;
-  std::memcpy(&a, first, 4);
-  std::memcpy(&b, second, 4);
-  return (__mmask64)(a | (uint64_t)b << 32);
-}
-
-// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in the repacked layout: a pair of blocks per 32-byte load,
-// 16 blocks' scales and offsets as vectors; Q5_0 and Q5_1 add each pair's fifth bits as a byte mask. MXFP4
-// (FP4): a byte shuffle turns each code q into u = v + 12, v its doubled FP4 value, so w = e8m0_half(e) (u - 12):
-// unsigned bytes as the other formats', with the offset taken through the inputs' block sums as Q4_0's.
+// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m), the codes by group: a whole group's four 64-byte word rows hold
+// its blocks' elements 4t..4t + 3 in their low nibbles and 16 + 4t..16 + 4t + 3 in their high ones, so
+// each block's byte products sum in int32 (two chains, low and high) and take one conversion and one
+// multiply-add a group; the offsets (m, or the bias times d) come through the inputs' block sums. Q5_0 and
+// Q5_1 add the fifth bits, a byte mask a word row. MXFP4 (FP4): a byte shuffle turns each code q into
+// u = v + 12, v its doubled FP4 value, so w = e8m0_half(e) (u - 12): unsigned bytes as the other formats',
+// with the offset taken through the inputs' block sums as Q4_0's.
 template <int R, bool HAS_MIN, bool FIVE, bool FP4 = false>
 inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
@@ -835,11 +959,22 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
   const uint8_t* qs = FP4 ? row + nb : rw.qs;
   const float bias = FP4 ? -12.f : FIVE ? -16.f : -8.f;
   const __m512i fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i m4 = _mm512_set1_epi8(0xF), c16 = _mm512_set1_epi8(16);
   auto lookup = [&](__m512i codes) { return FP4 ? _mm512_shuffle_epi8(fp4, codes) : codes; };
-  __m512 acc[R], acc2[R], off[R];  // acc2: the high nibbles' blocks of whole quads (a second chain)
-  for (int r = 0; r < R; ++r) acc[r] = acc2[r] = off[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < nb; g += 16) {
-    const int n = (int)std::min<int64_t>(16, nb - g);
+  // The low and high nibbles of 16 code words, with their fifth bits (bytes bits, of the group's fifth bits).
+  auto split = [&](__m512i q, const uint8_t* bits, int bytes, int64_t high_at, __m512i& lo, __m512i& hi) {
+    lo = lookup(_mm512_and_si512(q, m4)), hi = lookup(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+    if (FIVE) {
+      uint64_t l = 0, h = 0;
+      std::memcpy(&l, bits, bytes);
+      std::memcpy(&h, bits + high_at, bytes);
+      lo = _mm512_mask_add_epi8(lo, (__mmask64)l, lo, c16), hi = _mm512_mask_add_epi8(hi, (__mmask64)h, hi, c16);
+    }
+  };
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < nb; g += kGroup) {
+    const int n = group_blocks(g, nb);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
     __m512 dv;
     if constexpr (FP4) {  // 2^(e - 128) (subnormal for e < 2) from 16 scale bytes (the codes follow: in the row)
@@ -854,59 +989,38 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       scale[r] = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(mask, x[r].d + g));
       off[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, x[r].s + g), off[r]);
     }
-    // Whole groups of four blocks, where the inputs come in quad order: one 64-byte load of two pairs, the
-    // low nibbles blocks 4j and 4j + 2, the high ones 4j + 1 and 4j + 3.
-    const int quads = x[0].q4 ? n / 4 : 0;
-    for (int j = 0; j < quads; ++j) {
-      const __m512i q = _mm512_loadu_si512((const void*)(qs + (g / 2 + 2 * j) * 32));
-      const __m512i m4 = _mm512_set1_epi8(0xF);
-      __m512i lo = lookup(_mm512_and_si512(q, m4)), hi = lookup(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
-      if (FIVE) {
-        const uint32_t* h = rw.qh + g + 4 * j;
-        const __m512i c16 = _mm512_set1_epi8(16);
-        lo = _mm512_mask_add_epi8(lo, fifth_bits_mask(h, h + 2), lo, c16);
-        hi = _mm512_mask_add_epi8(hi, fifth_bits_mask(h + 1, h + 3), hi, c16);
+    const uint8_t* w = qs + g * 16;
+    const uint8_t* bits = rw.qh + 4 * g;  // (read only by FIVE)
+    if (n == kGroup) {
+      __m512i a[R], b[R];
+      for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        __m512i lo, hi;
+        split(_mm512_loadu_si512((const void*)(w + 64 * t)), bits + 8 * t, 8, 32, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xp = x[r].qt + g * QK + 64 * t;  // words t (low nibbles) and 4 + t (high ones)
+          a[r] = dot4_add(a[r], lo, _mm512_loadu_si512((const void*)xp));
+          b[r] = dot4_add(b[r], hi, _mm512_loadu_si512((const void*)(xp + 256)));
+        }
       }
-      const __m512i ilo = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(4 * j), _mm512_set1_epi32(4 * j + 2));
-      const __m512i ihi = _mm512_add_epi32(ilo, _mm512_set1_epi32(1));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x[r].q4 + (g + 4 * j) * QK;
-        const __m512 plo = _mm512_cvtepi32_ps(dot4(lo, _mm512_loadu_si512((const void*)xq)));
-        const __m512 phi = _mm512_cvtepi32_ps(dot4(hi, _mm512_loadu_si512((const void*)(xq + 2 * QK))));
-        acc[r] = _mm512_fmadd_ps(plo, _mm512_permutexvar_ps(ilo, scale[r]), acc[r]);
-        acc2[r] = _mm512_fmadd_ps(phi, _mm512_permutexvar_ps(ihi, scale[r]), acc2[r]);
-      }
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), scale[r], acc[r]);
+      continue;
     }
-    for (int k = 2 * quads; k < n / 2; ++k) {
-      __m512i wv = lookup(nibbles(_mm256_loadu_si256((const __m256i*)(qs + (g / 2 + k) * 32))));
-      if (FIVE) {
-        const uint32_t* h = rw.qh + g + 2 * k;
-        wv = _mm512_mask_add_epi8(wv, fifth_bits_mask(h, h + 1), wv, _mm512_set1_epi8(16));
-      }
+    for (int v = 0; 16 * v < 4 * n; ++v) {  // the row's last, partial group: 4n words, the high nibbles' inputs 4n words on
+      const int words = std::min(16, 4 * n - 16 * v);
+      const __mmask16 lanes = (__mmask16)((1u << words) - 1);
+      __m512i lo, hi;
+      split(_mm512_maskz_loadu_epi32(lanes, w + 64 * v), bits + 8 * v, words / 2, 2 * n, lo, hi);
+      const __m512i pick = _mm512_load_si512((const void*)kTailLanes.block[n][v]);
       for (int r = 0; r < R; ++r) {
-        __m512i xv = _mm512_loadu_si512((const void*)(x[r].q + (g + 2 * k) * QK));
-        __m512 p = _mm512_cvtepi32_ps(dot4(wv, xv));
-        acc[r] = _mm512_fmadd_ps(p, pair_scales(scale[r], k), acc[r]);
-      }
-    }
-    if (n % 2) {  // the row's odd last block, GGUF's nibble order: 32 values in element order
-      const int64_t b = g + n - 1;
-      __m128i q = _mm_loadu_si128((const __m128i*)(qs + (b / 2) * 32));
-      const __m128i m4 = _mm_set1_epi8(0xF);
-      __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
-                                           _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
-      if (FIVE) wv = _mm256_or_si256(wv, fifth_bits(rw.qh + b));
-      if (FP4) wv = _mm512_castsi512_si256(lookup(_mm512_castsi256_si512(wv)));
-      for (int r = 0; r < R; ++r) {
-        __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
-        __m512 p16 = _mm512_castps256_ps512(_mm256_cvtepi32_ps(p));
-        __m512 sc = _mm512_permutexvar_ps(_mm512_set1_epi32(n - 1), scale[r]);
-        acc[r] = _mm512_mask3_fmadd_ps(p16, sc, acc[r], 0x00FF);
+        const int8_t* xp = x[r].qt + g * QK + 64 * v;
+        __m512i p = dot4(lo, _mm512_maskz_loadu_epi32(lanes, xp));
+        p = dot4_add(p, hi, _mm512_maskz_loadu_epi32(lanes, xp + 16 * n));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(_mm512_add_ps(acc[r], acc2[r]), off[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], off[r]);
 }
 
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block as 16 bytes [sc 0..7 | m 0..7].
@@ -1052,63 +1166,118 @@ inline __m256i dot4_256(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// Q8_0: w = d q, one block (32 products as 16-bit pairs) at a time.
+// Q8_0: w = d q, by group (see the top of this file). A whole group in two halves, blocks 0-7 and 8-15 (the
+// 32-byte halves of its word rows), each block's products summed in int32 over the 8 word rows, then one
+// conversion and multiply-add a half; a partial group block by block, its codes put back in block order.
+// The codes, made signed again, multiply as unsigned |q| by the inputs with q's sign.
 template <int R>
 inline void dot_q8_0_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
   const uint16_t* dp = (const uint16_t*)row;
   const uint8_t* qs = row + 2 * nb;
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  auto product = [&](__m256i u, __m256i xv) {
+    const __m256i q = _mm256_xor_si256(u, flip);
+    return dot4_256(_mm256_abs_epi8(q), _mm256_sign_epi8(xv, q));
+  };
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m128i* w = (const __m128i*)(qs + b * QK);
-    const __m256i w0 = _mm256_cvtepi8_epi16(q8_values(_mm_loadu_si128(w)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(q8_values(_mm_loadu_si128(w + 1)));
-    const float d = fp16(dp[b]);
-    for (int r = 0; r < R; ++r) {
-      const __m128i* xq = (const __m128i*)(x[r].q + b * QK);
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_cvtepi8_epi16(_mm_loadu_si128(xq))),
-                                         _mm256_madd_epi16(w1, _mm256_cvtepi8_epi16(_mm_loadu_si128(xq + 1))));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
+  int64_t g = 0;
+  for (; g + kGroup <= nb; g += kGroup) {
+    const uint8_t* w = qs + g * QK;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + g + 8 * h)));
+      __m256i a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + 64 * t + 32 * h));
+        for (int r = 0; r < R; ++r)
+          a[r] = _mm256_add_epi32(a[r], product(wv, _mm256_loadu_si256((const __m256i*)(x[r].qt + g * QK + 64 * t + 32 * h))));
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(dv, _mm256_loadu_ps(x[r].d + g + 8 * h)), acc[r]);
+    }
+  }
+  if (g < nb) {
+    uint8_t codes[kGroup * QK];
+    groups_to_codes(qs + g * QK, 8, nb - g, codes);
+    for (int64_t b = g; b < nb; ++b) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(codes + (b - g) * QK));
+      const float d = fp16(dp[b]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i p = product(wv, _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
 }
 
-// Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m), Q5_0 (w = d (q - 16)) and Q5_1 (w = d q + m) in the repacked layout
-// (a pair of blocks' low 4 bits per 32 bytes).
+// Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m), Q5_0 (w = d (q - 16)) and Q5_1 (w = d q + m), by group: a whole group
+// in two halves as Q8_0's above (each word row's low nibbles against input words t, its high ones against
+// words 4 + t), a partial group block by block; the offsets through the inputs' block sums.
 template <int R, bool HAS_MIN, bool FIVE>
 inline void dot_q4_01_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
   const NibbleRow rw(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
   const uint16_t* dp = rw.d;
   const uint16_t* mp = rw.m;
-  const uint8_t* qs = rw.qs;
   const __m256i m4 = _mm256_set1_epi8(0xF);
-  __m256 acc[R];
-  float off[R] = {};
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  auto block = [&](__m256i wv, int64_t b) {
-    if (FIVE) wv = _mm256_or_si256(wv, fifth_bits(rw.qh + b));
-    const float d = fp16(dp[b]), m = HAS_MIN ? fp16(mp[b]) : (FIVE ? -16.f : -8.f) * d;
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_256(wv, xv)), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
-      off[r] += m * x[r].s[b];
+  const float bias = FIVE ? -16.f : -8.f;
+  __m256 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + kGroup <= nb; g += kGroup) {
+    const uint8_t* w = rw.qs + g * 16;
+    const uint8_t* bits = rw.qh + 4 * g;  // (read only by FIVE)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + g + 8 * h)));
+      const __m256 mv = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + g + 8 * h)))
+                                : _mm256_mul_ps(dv, _mm256_set1_ps(bias));
+      __m256i a[R];
+      for (int r = 0; r < R; ++r) {
+        a[r] = _mm256_setzero_si256();
+        off[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(x[r].s + g + 8 * h), off[r]);
+      }
+      for (int t = 0; t < 4; ++t) {
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 64 * t + 32 * h));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (FIVE) {  // this half's 8 words: 32 bits of the word row's 64
+          lo = _mm256_or_si256(lo, fifth_bits((const uint32_t*)(bits + 8 * t + 4 * h)));
+          hi = _mm256_or_si256(hi, fifth_bits((const uint32_t*)(bits + 32 + 8 * t + 4 * h)));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xp = x[r].qt + g * QK + 64 * t + 32 * h;
+          a[r] = _mm256_add_epi32(a[r], dot4_256(lo, _mm256_loadu_si256((const __m256i*)xp)));
+          a[r] = _mm256_add_epi32(a[r], dot4_256(hi, _mm256_loadu_si256((const __m256i*)(xp + 256))));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(dv, _mm256_loadu_ps(x[r].d + g + 8 * h)), acc[r]);
     }
-  };
-  for (int64_t b = 0; b + 1 < nb; b += 2) {
-    const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + b / 2 * 32));
-    block(_mm256_and_si256(q, m4), b);
-    block(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), b + 1);
   }
-  if (nb % 2) {  // the odd last block, GGUF's nibble order
-    const __m128i q = _mm_loadu_si128((const __m128i*)(qs + (nb - 1) / 2 * 32));
+  float tail[R] = {};
+  if (g < nb) {
+    const int n = (int)(nb - g);
+    uint8_t codes[kGroup * 16];
+    uint32_t h[kGroup];
+    groups_to_codes(rw.qs + g * 16, 4, n, codes);
+    if (FIVE) groups_to_fifth_bits(rw.qh + 4 * g, n, h);
     const __m128i m = _mm_set1_epi8(0xF);
-    block(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)), _mm_and_si128(_mm_srli_epi16(q, 4), m), 1),
-          nb - 1);
+    for (int l = 0; l < n; ++l) {
+      const int64_t b = g + l;
+      const __m128i q = _mm_loadu_si128((const __m128i*)(codes + 16 * l));
+      __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)), _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
+      if (FIVE) wv = _mm256_or_si256(wv, fifth_bits(h + l));
+      const float d = fp16(dp[b]), mb = HAS_MIN ? fp16(mp[b]) : bias * d;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_256(wv, xv)), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
+        tail[r] += mb * x[r].s[b];
+      }
+    }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]) + off[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum256(_mm256_add_ps(acc[r], off[r])) + tail[r];
 }
 #endif
 
@@ -1123,9 +1292,6 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
     case Q5_0: return dot_q4_01_avx2<R, false, true>(row, x, K, out);
     case Q5_1: return dot_q4_01_avx2<R, true, true>(row, x, K, out);
   }
-#endif
-#ifdef TM_QUANT_VNNI
-  if (type == Q8_0) return dot_q8_0_vnni<R>(row, x, K, out);
 #endif
 #ifdef TM_QUANT_AVX512
   switch (type) {

@@ -107,33 +107,33 @@ struct Panel {
     const __m256i m4 = _mm256_set1_epi8(0xF), eight = _mm256_set1_epi8(8);
     switch (type) {
       case Q8_0:
-        pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
-          const uint8_t* qs = r + 2 * blocks;
-          l = q8_values(_mm256_loadu_si256((const __m256i*)(qs + bb * QK)));
-          if (bb + 1 < blocks) h = q8_values(_mm256_loadu_si256((const __m256i*)(qs + (bb + 1) * QK)));
-        });
-        break;
       case Q4_0:
       case Q4_1:
       case Q5_0:
       case Q5_1: {
-        // Q4_0, Q5_0: q - 8, q - 16, signed; Q4_1, Q5_1: q, with its offset m
-        const bool sub = !has_min(type), five = five_bits(type);
+        // Each row's codes put back in block order (the layout keeps them by group), then a block a tile row:
+        // Q8_0's signed values; Q4_0, Q5_0: q - 8, q - 16, signed; Q4_1, Q5_1: q, with its offset m.
+        const bool q8 = type == Q8_0, sub = !has_min(type) && !q8, five = five_bits(type);
         const __m256i bias = five ? _mm256_set1_epi8(16) : eight;
-        pairs([&](const uint8_t* r, int64_t bb, __m256i& l, __m256i& h) {
+        const __m128i m = _mm_set1_epi8(0xF);
+        thread_local BlockCodes c;
+        for (int64_t n = 0; n < rows; ++n) {
+          const uint8_t* r = w + n * row_bytes;
           const NibbleRow nr(type, r, blocks);
-          const uint8_t* qs = nr.qs + (bb / 2) * 32;
-          if (bb + 1 < blocks) {
-            const __m256i q = _mm256_loadu_si256((const __m256i*)qs);
-            l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (five) h = _mm256_or_si256(h, fifth_bits(nr.qh + bb + 1));
-          } else {  // an odd last block, GGUF's nibble order
-            const __m128i q = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0xF);
-            l = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+          c.set(type, q8 ? r + 2 * blocks : nr.qs, five ? nr.qh : nullptr, blocks);
+          for (int64_t b = 0; b < blocks; ++b) {
+            __m256i v;
+            if (q8) {
+              v = q8_values(_mm256_loadu_si256((const __m256i*)c.block(b, 8)));
+            } else {
+              const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
+              v = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+              if (five) v = _mm256_or_si256(v, fifth_bits(&c.h[b]));
+              if (sub) v = _mm256_sub_epi8(v, bias);
+            }
+            _mm256_storeu_si256((__m256i*)(tiles.data() + b * 512 + 32 * n), v);
           }
-          if (five) l = _mm256_or_si256(l, fifth_bits(nr.qh + bb));
-          if (sub) l = _mm256_sub_epi8(l, bias), h = _mm256_sub_epi8(h, bias);
-        });
+        }
         break;
       }
       case Q4_K:

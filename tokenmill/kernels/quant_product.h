@@ -204,10 +204,12 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
     return;
   }
 #endif
-  std::vector<int8_t> q4(M * K);
+  std::vector<int8_t> q4(M * K), qt(M * K);
   for (int64_t m = 0; m < M; ++m) {
     quad_order(q.data() + m * K, K, q4.data() + m * K);
+    group_order(q.data() + m * K, K, qt.data() + m * K);
     rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb, q4.data() + m * K};
+    rows[m].qt = qt.data() + m * K;
     if (per256) rows[m].sums16 = sums16.data() + m * K / 16, rows[m].per256 = &rows[m];
   }
   // A few rows: long tiles, so each thread streams long runs of weight rows, asked for at least 4 KiB (and

@@ -61,6 +61,7 @@ inline V load_lanes(uint64_t mask, const void* p) {
 }
 inline __m512 maskz_loadu_ps(__mmask16 k, const void* p) { return load_lanes<__m512, float>(k, p); }
 inline __m512i maskz_loadu_epi16(__mmask32 k, const void* p) { return load_lanes<__m512i, uint16_t>(k, p); }
+inline __m512i maskz_loadu_epi32(__mmask16 k, const void* p) { return load_lanes<__m512i, uint32_t>(k, p); }
 inline __m256i maskz_loadu_epi16_256(__mmask16 k, const void* p) { return load_lanes<__m256i, uint16_t>(k, p); }
 inline void mask_storeu_ps(void* p, __mmask16 k, __m512 v) {
   float lanes[16];
@@ -135,10 +136,12 @@ inline int reduce_add_epi32(__m512i v) {
 
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_maskz_loadu_epi16
+#undef _mm512_maskz_loadu_epi32
 #undef _mm256_maskz_loadu_epi16
 #undef _mm512_mask_storeu_ps
 #define _mm512_maskz_loadu_ps tm_simd::maskz_loadu_ps
 #define _mm512_maskz_loadu_epi16 tm_simd::maskz_loadu_epi16
+#define _mm512_maskz_loadu_epi32 tm_simd::maskz_loadu_epi32
 #define _mm256_maskz_loadu_epi16 tm_simd::maskz_loadu_epi16_256
 #define _mm512_mask_storeu_ps tm_simd::mask_storeu_ps
 #undef _mm512_madd_epi16
