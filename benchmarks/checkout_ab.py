@@ -1,0 +1,83 @@
+"""Paired A/B of two checkouts of the whole engine (kernels, weight layout, scheduler and all): greedy decode
+tok/s at several batch sizes, each checkout in fresh processes, alternated round after round.
+
+    python benchmarks/checkout_ab.py --base HEAD~1 [--model FILE.gguf] [--batch 1 4 8] [--tokens 128] [--rounds 4]
+
+Checks BASE out into a temporary git worktree (its kernels built in an extensions folder of its own) and
+runs the same child against it and against the working tree: load the model (the default one unless
+--model names another), one warm-up generation, then for each batch size B one generate call of B short
+prompts of --tokens tokens each (ignore_eos), timed whole: output tokens over the wall time, so the short
+prompts' single steps are included. kernel_ab.py compares two builds of the fused decoder over one weight
+layout; this compares anything, at the price of a fresh load per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, sys, time
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.hub import pull
+path, batches, tokens = sys.argv[1] or pull(), [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3])
+llm = LLM(path, max_num_seqs=max(batches), enable_prefix_caching=False, kv_cache_memory="512MiB")
+prompts = [f"Write a short story number {i} about a cat who" for i in range(max(batches))]
+llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+rates = {}
+for b in batches:
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts[:b], sp)
+    rates[b] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+print("RESULT " + json.dumps(rates))
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--base", required=True, help="git revision to compare the working tree with")
+    p.add_argument("--model", default="", help="a GGUF file (default: the default model)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scratch = tempfile.mkdtemp(prefix="tokenmill-ab-")
+    base = os.path.join(scratch, "base")
+    subprocess.run(["git", "-C", root, "worktree", "add", "--detach", base, args.base], check=True,
+                   capture_output=True)
+    trees = {"base": base, "working tree": root}
+    rates: dict[str, list[dict]] = {name: [] for name in trees}
+    try:
+        for r in range(args.rounds):
+            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                env = dict(os.environ, PYTHONPATH=trees[name],
+                           TORCH_EXTENSIONS_DIR=os.path.join(scratch, "ext-" + name.replace(" ", "-")))
+                out = subprocess.run([sys.executable, "-c", _CHILD, args.model, ",".join(map(str, args.batch)),
+                                      str(args.tokens)], cwd=trees[name], env=env, capture_output=True, text=True)
+                line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if line is None:
+                    sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+                rates[name].append(json.loads(line[len("RESULT "):]))
+                print(f"round {r + 1}, {name}: " + ", ".join(f"batch {b} {v:.1f}" for b, v in rates[name][-1].items()),
+                      flush=True)
+    finally:
+        subprocess.run(["git", "-C", root, "worktree", "remove", "--force", base], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    print("output tok/s, medians over rounds (paired ratios, working tree over base):")
+    for b in map(str, args.batch):
+        old = [x[b] for x in rates["base"]]
+        new = [x[b] for x in rates["working tree"]]
+        ratios = " ".join(f"{n / o:.3f}" for o, n in zip(old, new))
+        print(f"  batch {b}: base {statistics.median(old):.1f}, working tree {statistics.median(new):.1f} ({ratios})")
+
+
+if __name__ == "__main__":
+    main()
