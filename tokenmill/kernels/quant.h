@@ -18,17 +18,18 @@
 //   Q5_0  [nb float16 scales d] [fifth bits] [codes]
 //   Q5_1  [nb float16 scales d] [nb float16 offsets m] [fifth bits] [codes]
 //   MXFP4 [nb E8M0 scales] [codes] (w = 2^(e - 127) v, v the FP4 (E2M1) value a 4-bit code names; gpt-oss)
-// The codes come in groups of 16 blocks (the row's last group has the nb % 16 left, if any), each group's
-// blocks transposed by 4-byte words: word t of block l of a group of n blocks lies at word t n + l of the
-// group. A block's words are its code bytes as GGUF orders them: 8 for Q8_0 (elements 4t..4t+3), 4 for the
-// 4-bit formats (byte j holds element j in its low nibble and j + 16 in its high one, so word t holds
-// elements 4t..4t+3 and 16 + 4t..16 + 4t + 3). So the 64 bytes of word row t of a whole group hold word t
-// of its 16 blocks, one per int32 lane of a vector: a kernel's byte products in lane l all belong to block l
-// and sum in int32 over the group's word rows, to be converted and scaled once per group (not once per pair
-// of blocks). The activations are transposed alike (QRow::qt). The fifth bits (bit i of a GGUF block's qh for
-// element i) follow the codes: a group of n blocks has 4n bytes of them, the bits of the low nibbles of its
-// 4n code words, then those of the high nibbles, each word's 4 bits in its bytes' order (bits 4i..4i + 3 for
-// word i): a vector of 16 words' nibbles takes its 64 bits as one byte mask.
+// The codes come in groups of 16 blocks, each group's blocks transposed by 4-byte words: word t of block l
+// lies at word 16 t + l of its group. A block's words are its code bytes as GGUF orders them: 8 for Q8_0
+// (elements 4t..4t + 3), 4 for the 4-bit formats (byte j holds element j in its low nibble and j + 16 in its
+// high one, so word t holds elements 4t..4t + 3 and 16 + 4t..16 + 4t + 3). So the 64 bytes of word row t of
+// a group hold word t of its 16 blocks, one per int32 lane of a vector: a kernel's byte products in lane l
+// all belong to block l and sum in int32 over the group's word rows, to be converted and scaled once per
+// group (not once per pair of blocks). The activations are transposed alike (QRow::qt). A row's last nb % 16
+// blocks are no group: their codes (and fifth bits) stay as GGUF holds them. Every block keeps its place in
+// bytes (16 bytes of codes a 4-bit block, 32 a Q8_0 one; 4 bytes of fifth bits). The fifth bits (bit i of a
+// GGUF block's qh for element i) of a group: 64 bytes, the bits of the low nibbles of its 64 code words,
+// then those of the high nibbles, each word's 4 bits in its bytes' order (bits 4i..4i + 3 for word i), so
+// that a word row's nibbles take their 64 bits as one byte mask.
 #pragma once
 
 #include <cmath>
@@ -88,8 +89,6 @@ constexpr int kGroup = 16;  // blocks a group of repacked codes (see the top of 
 
 // The 4-byte code words of a block: 8 for Q8_0 (and the activations), 4 for the 4-bit formats.
 inline int code_words(int type) { return type == Q8_0 ? 8 : 4; }
-// The blocks of the group that starts at block g of a row of nb.
-inline int group_blocks(int64_t g, int64_t nb) { return (int)std::min<int64_t>(kGroup, nb - g); }
 
 #if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
 // In place, the 4 x 4 words of each 128-bit lane of v[0..3] (a vector a row) transposed.
@@ -109,22 +108,37 @@ TM_INLINE void transpose_lanes(__m512i v[4]) {
 // A whole group's w (4 or 8) word rows, 64 bytes each, to or from its 16 blocks of 4 w bytes in a row.
 // Word rows to blocks: each lane's words transposed, then the lanes (16 blocks of 4 words); with 8 words,
 // rows 0-3 and 4-7 so, then each block's two halves put side by side. Blocks to word rows: the inverse.
-TM_INLINE void group_to_blocks(const uint8_t* group, int w, uint8_t* blocks) {
+// each_block(l, v) visits the blocks in registers: v the 16 code bytes of block l (an __m128i) where w = 4,
+// its 32 (an __m256i) where w = 8.
+template <int W, typename F>
+TM_INLINE void group_blocks_each(const uint8_t* group, F&& each_block) {
   __m512i h[2][4];
-  for (int k = 0; k < w / 4; ++k) {
+  for (int k = 0; k < W / 4; ++k) {
     for (int t = 0; t < 4; ++t) h[k][t] = _mm512_loadu_si512((const void*)(group + 64 * (4 * k + t)));
     transpose_lane_words(h[k]);
     transpose_lanes(h[k]);
   }
   for (int j = 0; j < 4; ++j) {
-    if (w == 4) {
-      _mm512_storeu_si512((void*)(blocks + 64 * j), h[0][j]);
-      continue;
+    if constexpr (W == 4) {
+      each_block(4 * j, _mm512_extracti32x4_epi32(h[0][j], 0));
+      each_block(4 * j + 1, _mm512_extracti32x4_epi32(h[0][j], 1));
+      each_block(4 * j + 2, _mm512_extracti32x4_epi32(h[0][j], 2));
+      each_block(4 * j + 3, _mm512_extracti32x4_epi32(h[0][j], 3));
+    } else {
+      __m512i x = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0x44), y = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0xEE);
+      x = _mm512_shuffle_i32x4(x, x, 0xD8), y = _mm512_shuffle_i32x4(y, y, 0xD8);
+      each_block(4 * j, _mm512_castsi512_si256(x));
+      each_block(4 * j + 1, _mm512_extracti64x4_epi64(x, 1));
+      each_block(4 * j + 2, _mm512_castsi512_si256(y));
+      each_block(4 * j + 3, _mm512_extracti64x4_epi64(y, 1));
     }
-    const __m512i x = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0x44), y = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0xEE);
-    _mm512_storeu_si512((void*)(blocks + 128 * j), _mm512_shuffle_i32x4(x, x, 0xD8));
-    _mm512_storeu_si512((void*)(blocks + 128 * j + 64), _mm512_shuffle_i32x4(y, y, 0xD8));
   }
+}
+TM_INLINE void group_to_blocks(const uint8_t* group, int w, uint8_t* blocks) {
+  if (w == 4)
+    group_blocks_each<4>(group, [&](int l, __m128i v) { _mm_storeu_si128((__m128i*)(blocks + 16 * l), v); });
+  else
+    group_blocks_each<8>(group, [&](int l, __m256i v) { _mm256_storeu_si256((__m256i*)(blocks + 32 * l), v); });
 }
 TM_INLINE void blocks_to_group(const uint8_t* blocks, int w, uint8_t* group) {
   __m512i h[2][4];
@@ -145,88 +159,96 @@ TM_INLINE void blocks_to_group(const uint8_t* blocks, int w, uint8_t* group) {
 }
 #endif
 
-// The codes of a row of nb blocks (w words each) into groups: block b's words from blocks + b * stride.
+// The codes of a row of nb blocks (w words each, block b's from blocks + b * stride) into the layout: whole
+// groups transposed, the last nb % 16 blocks as they are.
 inline void codes_to_groups(const uint8_t* blocks, int64_t stride, int w, int64_t nb, uint8_t* out) {
-  for (int64_t g = 0; g < nb; g += kGroup) {
-    const int n = group_blocks(g, nb);
+  const int64_t whole = nb / kGroup * kGroup;
+  for (int64_t g = 0; g < whole; g += kGroup) {
     uint8_t* group = out + g * 4 * w;
 #if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
-    if (n == kGroup && stride == 4 * w) {
+    if (stride == 4 * w) {
       blocks_to_group(blocks + g * stride, w, group);
       continue;
     }
 #endif
     for (int t = 0; t < w; ++t)
-      for (int l = 0; l < n; ++l) std::memcpy(group + 4 * (t * n + l), blocks + (g + l) * stride + 4 * t, 4);
+      for (int l = 0; l < kGroup; ++l) std::memcpy(group + 4 * (t * kGroup + l), blocks + (g + l) * stride + 4 * t, 4);
   }
+  for (int64_t b = whole; b < nb; ++b) std::memcpy(out + b * 4 * w, blocks + b * stride, 4 * w);
 }
 
-// The inverse: a row's grouped codes back into blocks of 4 w bytes in a row.
+// The inverse: a row's codes in block order, 4 w bytes a block.
 inline void groups_to_codes(const uint8_t* groups, int w, int64_t nb, uint8_t* blocks) {
-  for (int64_t g = 0; g < nb; g += kGroup) {
-    const int n = group_blocks(g, nb);
+  const int64_t whole = nb / kGroup * kGroup;
+  for (int64_t g = 0; g < whole; g += kGroup) {
     const uint8_t* group = groups + g * 4 * w;
 #if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
-    if (n == kGroup) {
-      group_to_blocks(group, w, blocks + g * 4 * w);
-      continue;
-    }
-#endif
+    group_to_blocks(group, w, blocks + g * 4 * w);
+#else
     for (int t = 0; t < w; ++t)
-      for (int l = 0; l < n; ++l) std::memcpy(blocks + (g + l) * 4 * w + 4 * t, group + 4 * (t * n + l), 4);
+      for (int l = 0; l < kGroup; ++l) std::memcpy(blocks + (g + l) * 4 * w + 4 * t, group + 4 * (t * kGroup + l), 4);
+#endif
   }
+  std::memcpy(blocks + whole * 4 * w, groups + whole * 4 * w, (nb - whole) * 4 * w);
 }
 
-// Where fifth bit e of block l of a group of n blocks lies in the group's 4n bytes of them (see the top of
-// this file): elements 4t + c and 16 + 4t + c are bit c of the low and high nibbles of code word t n + l.
-inline int fifth_bit_index(int l, int e, int n) { return (e >= 16 ? 16 * n : 0) + 4 * ((e & 15) / 4 * n + l) + (e & 3); }
+// Where fifth bit e of block l of a whole group lies in the group's 64 bytes of them (see the top of this
+// file): elements 4t + c and 16 + 4t + c are bit c of the low and high nibbles of code word 16 t + l.
+inline int fifth_bit_index(int l, int e) { return (e >= 16 ? 256 : 0) + 4 * ((e & 15) / 4 * kGroup + l) + (e & 3); }
 
-// A row's fifth bits from GGUF's (block b's 32 bits at blocks + b * stride), by group.
+// A row's fifth bits from GGUF's (block b's 32 bits at blocks + b * stride) into the layout.
 inline void fifth_bits_to_groups(const uint8_t* blocks, int64_t stride, int64_t nb, uint8_t* out) {
-  std::memset(out, 0, 4 * nb);
-  for (int64_t g = 0; g < nb; g += kGroup) {
-    const int n = group_blocks(g, nb);
-    for (int l = 0; l < n; ++l) {
+  const int64_t whole = nb / kGroup * kGroup;
+  std::memset(out, 0, 4 * whole);
+  for (int64_t g = 0; g < whole; g += kGroup)
+    for (int l = 0; l < kGroup; ++l) {
       uint32_t h;
       std::memcpy(&h, blocks + (g + l) * stride, 4);
       for (int e = 0; e < 32; ++e)
         if ((h >> e) & 1) {
-          const int i = fifth_bit_index(l, e, n);
+          const int i = fifth_bit_index(l, e);
           out[4 * g + i / 8] |= (uint8_t)(1 << (i % 8));
         }
     }
-  }
+  for (int64_t b = whole; b < nb; ++b) std::memcpy(out + 4 * b, blocks + b * stride, 4);
 }
+
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+// A whole group's fifth bits, block l's (as GGUF holds them) in lane l: word row t's 64 bits hold nibble t of
+// each block's low (then high) 16 bits, 4 bits a block.
+TM_INLINE __m512i group_fifth_bits(const uint8_t* bits) {
+  const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i shift = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+  __m512i v = _mm512_setzero_si512();
+  for (int k = 0; k < 8; ++k) {  // k = t (low nibbles), 4 + t (high)
+    uint64_t word;
+    std::memcpy(&word, bits + 8 * k, 8);
+    const __m512i nib = _mm512_srlv_epi32(_mm512_permutexvar_epi32(half, _mm512_set1_epi64((long long)word)), shift);
+    v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(nib, _mm512_set1_epi32(0xF)), 4 * k));
+  }
+  return v;
+}
+#endif
 
 // The inverse: block b's fifth bits as GGUF holds them (bit i for element i) into h[b].
 inline void groups_to_fifth_bits(const uint8_t* groups, int64_t nb, uint32_t* h) {
-  for (int64_t g = 0; g < nb; g += kGroup) {
-    const int n = group_blocks(g, nb);
+  const int64_t whole = nb / kGroup * kGroup;
+  for (int64_t g = 0; g < whole; g += kGroup) {
     const uint8_t* bits = groups + 4 * g;
 #if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
-    if (n == kGroup) {  // word row t's 64 bits hold nibble t of each block's low (then high) 16 bits
-      const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-      const __m512i shift = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-      __m512i v = _mm512_setzero_si512();
-      for (int k = 0; k < 8; ++k) {  // k = t (low nibbles), 4 + t (high)
-        uint64_t word;
-        std::memcpy(&word, bits + 8 * k, 8);
-        const __m512i nib = _mm512_srlv_epi32(_mm512_permutexvar_epi32(half, _mm512_set1_epi64((long long)word)), shift);
-        v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(nib, _mm512_set1_epi32(0xF)), 4 * k));
-      }
-      _mm512_storeu_si512((void*)(h + g), v);
-      continue;
-    }
-#endif
-    for (int l = 0; l < n; ++l) {
+    _mm512_storeu_si512((void*)(h + g), group_fifth_bits(bits));
+#else
+    for (int l = 0; l < kGroup; ++l) {
       uint32_t v = 0;
-      for (int e = 0; e < 32; ++e) {
-        const int i = fifth_bit_index(l, e, n);
-        v |= (uint32_t)((bits[i / 8] >> (i % 8)) & 1) << e;
+      for (int k = 0; k < 8; ++k) {  // nibble k of the block's bits: bits 4 (16 (k % 4) + l) of row k / 4's
+        const int i = fifth_bit_index(l, 4 * k);
+        v |= (uint32_t)((bits[i / 8] >> (i % 8)) & 0xF) << (4 * k);
       }
       h[g + l] = v;
     }
+#endif
   }
+  std::memcpy(h + whole, groups + 4 * whole, 4 * (nb - whole));
 }
 
 // A row's codes and fifth bits in block order, as GGUF holds them (Q8_0: 32 bytes q + 128 a block; the 4-bit
@@ -863,18 +885,12 @@ TM_INLINE __m512i dot4_add(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
-// A row's last group when it has fewer than 16 blocks (n): its 4n (or 8n) code words are taken 16 at a time,
-// so a vector's lanes belong to several blocks, lane k of vector v to block (16 v + k) mod n: each product
-// is scaled by its own lane's block scale (these indexes pick it from the group's scales).
-struct TailLanes {
-  alignas(64) int32_t block[kGroup + 1][8][16];
-  TailLanes() {
-    for (int n = 1; n <= kGroup; ++n)
-      for (int v = 0; v < 8; ++v)
-        for (int k = 0; k < 16; ++k) block[n][v][k] = (16 * v + k) % n;
-  }
-};
-inline const TailLanes kTailLanes;
+// Lanes 0-7 take element 2k of a vector of per-block scales, lanes 8-15 element 2k + 1: the scales of the
+// two 32-element blocks one 64-byte product of block-ordered codes covers (a row's last nb % 16 blocks).
+TM_INLINE __m512 pair_scales(__m512 v, int k) {
+  const __m512i lo = _mm512_set1_epi32(2 * k), hi = _mm512_set1_epi32(2 * k + 1);
+  return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xFF00, lo, hi), v);
+}
 
 // The int8 products of a 64-byte vector of words: signed weights q (Q8_0's, without VNNI) by signed inputs,
 // as unsigned |q| by the inputs with q's sign.
@@ -903,7 +919,7 @@ inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   __m512 acc[R], acc2[R];
   for (int r = 0; r < R; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += kGroup) {
-    const int n = group_blocks(g, nb);
+    const int n = (int)std::min<int64_t>(kGroup, nb - g);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
     const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dp + g));
     __m512 scale[R];
@@ -929,14 +945,13 @@ inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), scale[r], acc[r]);
       continue;
     }
-    for (int v = 0; 16 * v < 8 * n; ++v) {  // the row's last, partial group
-      const __mmask16 lanes = (__mmask16)((1u << std::min(16, 8 * n - 16 * v)) - 1);
-      const __m512i wv = codes(_mm512_maskz_loadu_epi32(lanes, w + 64 * v));
-      const __m512i pick = _mm512_load_si512((const void*)kTailLanes.block[n][v]);
+    for (int k = 0; 2 * k < n; ++k) {  // the row's last blocks, in block order: two (or the last one) a vector
+      const __mmask16 lanes = 2 * k + 1 < n ? 0xFFFF : 0x00FF;
+      const __m512i wv = codes(_mm512_maskz_loadu_epi32(lanes, w + 64 * k));
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_maskz_loadu_epi32(lanes, x[r].qt + g * QK + 64 * v);
+        const __m512i xv = _mm512_maskz_loadu_epi32(lanes, x[r].q + (g + 2 * k) * QK);
         const __m512 p = _mm512_cvtepi32_ps(product(_mm512_setzero_si512(), wv, xv));
-        acc[r] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(p, pair_scales(scale[r], k), acc[r]);
       }
     }
   }
@@ -961,20 +976,10 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
   const __m512i fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m512i m4 = _mm512_set1_epi8(0xF), c16 = _mm512_set1_epi8(16);
   auto lookup = [&](__m512i codes) { return FP4 ? _mm512_shuffle_epi8(fp4, codes) : codes; };
-  // The low and high nibbles of 16 code words, with their fifth bits (bytes bits, of the group's fifth bits).
-  auto split = [&](__m512i q, const uint8_t* bits, int bytes, int64_t high_at, __m512i& lo, __m512i& hi) {
-    lo = lookup(_mm512_and_si512(q, m4)), hi = lookup(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
-    if (FIVE) {
-      uint64_t l = 0, h = 0;
-      std::memcpy(&l, bits, bytes);
-      std::memcpy(&h, bits + high_at, bytes);
-      lo = _mm512_mask_add_epi8(lo, (__mmask64)l, lo, c16), hi = _mm512_mask_add_epi8(hi, (__mmask64)h, hi, c16);
-    }
-  };
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += kGroup) {
-    const int n = group_blocks(g, nb);
+    const int n = (int)std::min<int64_t>(kGroup, nb - g);
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
     __m512 dv;
     if constexpr (FP4) {  // 2^(e - 128) (subnormal for e < 2) from 16 scale bytes (the codes follow: in the row)
@@ -995,8 +1000,14 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       __m512i a[R], b[R];
       for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_si512();
       for (int t = 0; t < 4; ++t) {
-        __m512i lo, hi;
-        split(_mm512_loadu_si512((const void*)(w + 64 * t)), bits + 8 * t, 8, 32, lo, hi);
+        const __m512i q = _mm512_loadu_si512((const void*)(w + 64 * t));
+        __m512i lo = lookup(_mm512_and_si512(q, m4)), hi = lookup(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+        if (FIVE) {  // the word row's 64 bits of each (see the top of this file)
+          uint64_t l, h;
+          std::memcpy(&l, bits + 8 * t, 8);
+          std::memcpy(&h, bits + 32 + 8 * t, 8);
+          lo = _mm512_mask_add_epi8(lo, (__mmask64)l, lo, c16), hi = _mm512_mask_add_epi8(hi, (__mmask64)h, hi, c16);
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xp = x[r].qt + g * QK + 64 * t;  // words t (low nibbles) and 4 + t (high ones)
           a[r] = dot4_add(a[r], lo, _mm512_loadu_si512((const void*)xp));
@@ -1006,17 +1017,23 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), scale[r], acc[r]);
       continue;
     }
-    for (int v = 0; 16 * v < 4 * n; ++v) {  // the row's last, partial group: 4n words, the high nibbles' inputs 4n words on
-      const int words = std::min(16, 4 * n - 16 * v);
-      const __mmask16 lanes = (__mmask16)((1u << words) - 1);
-      __m512i lo, hi;
-      split(_mm512_maskz_loadu_epi32(lanes, w + 64 * v), bits + 8 * v, words / 2, 2 * n, lo, hi);
-      const __m512i pick = _mm512_load_si512((const void*)kTailLanes.block[n][v]);
+    for (int k = 0; 2 * k < n; ++k) {  // the row's last blocks, in block order: two (or the last one) a vector
+      const bool pair = 2 * k + 1 < n;
+      const __m256i q = pair ? _mm256_loadu_si256((const __m256i*)(w + 32 * k))
+                             : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(w + 32 * k)));
+      // [first's low nibbles | its high ones | second's low | its high]: elements 0-31 of each
+      const __m512i lh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, _mm512_castsi512_si256(m4))),
+                                            _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm512_castsi512_si256(m4)), 1);
+      __m512i wv = lookup(_mm512_shuffle_i64x2(lh, lh, 0xD8));
+      if (FIVE) {
+        uint64_t h = 0;
+        std::memcpy(&h, bits + 8 * k, pair ? 8 : 4);
+        wv = _mm512_mask_add_epi8(wv, (__mmask64)h, wv, c16);
+      }
+      const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;
       for (int r = 0; r < R; ++r) {
-        const int8_t* xp = x[r].qt + g * QK + 64 * v;
-        __m512i p = dot4(lo, _mm512_maskz_loadu_epi32(lanes, xp));
-        p = dot4_add(p, hi, _mm512_maskz_loadu_epi32(lanes, xp + 16 * n));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
+        const __m512 p = _mm512_cvtepi32_ps(dot4(wv, _mm512_maskz_loadu_epi32(lanes, x[r].q + (g + 2 * k) * QK)));
+        acc[r] = _mm512_fmadd_ps(p, pair_scales(scale[r], k), acc[r]);
       }
     }
   }
@@ -1168,7 +1185,7 @@ inline __m256i dot4_256(__m256i u, __m256i s) {
 
 // Q8_0: w = d q, by group (see the top of this file). A whole group in two halves, blocks 0-7 and 8-15 (the
 // 32-byte halves of its word rows), each block's products summed in int32 over the 8 word rows, then one
-// conversion and multiply-add a half; a partial group block by block, its codes put back in block order.
+// conversion and multiply-add a half; the row's last nb % 16 blocks one by one, in block order.
 // The codes, made signed again, multiply as unsigned |q| by the inputs with q's sign.
 template <int R>
 inline void dot_q8_0_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
@@ -1198,16 +1215,12 @@ inline void dot_q8_0_avx2(const uint8_t* row, const QRow* x, int64_t K, float* o
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(dv, _mm256_loadu_ps(x[r].d + g + 8 * h)), acc[r]);
     }
   }
-  if (g < nb) {
-    uint8_t codes[kGroup * QK];
-    groups_to_codes(qs + g * QK, 8, nb - g, codes);
-    for (int64_t b = g; b < nb; ++b) {
-      const __m256i wv = _mm256_loadu_si256((const __m256i*)(codes + (b - g) * QK));
-      const float d = fp16(dp[b]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i p = product(wv, _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK)));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
-      }
+  for (int64_t b = g; b < nb; ++b) {  // the row's last blocks, in block order
+    const __m256i wv = _mm256_loadu_si256((const __m256i*)(qs + b * QK));
+    const float d = fp16(dp[b]);
+    for (int r = 0; r < R; ++r) {
+      const __m256i p = product(wv, _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
@@ -1215,7 +1228,7 @@ inline void dot_q8_0_avx2(const uint8_t* row, const QRow* x, int64_t K, float* o
 
 // Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m), Q5_0 (w = d (q - 16)) and Q5_1 (w = d q + m), by group: a whole group
 // in two halves as Q8_0's above (each word row's low nibbles against input words t, its high ones against
-// words 4 + t), a partial group block by block; the offsets through the inputs' block sums.
+// words 4 + t), the row's last nb % 16 blocks one by one; the offsets through the inputs' block sums.
 template <int R, bool HAS_MIN, bool FIVE>
 inline void dot_q4_01_avx2(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
@@ -1257,24 +1270,16 @@ inline void dot_q4_01_avx2(const uint8_t* row, const QRow* x, int64_t K, float* 
     }
   }
   float tail[R] = {};
-  if (g < nb) {
-    const int n = (int)(nb - g);
-    uint8_t codes[kGroup * 16];
-    uint32_t h[kGroup];
-    groups_to_codes(rw.qs + g * 16, 4, n, codes);
-    if (FIVE) groups_to_fifth_bits(rw.qh + 4 * g, n, h);
-    const __m128i m = _mm_set1_epi8(0xF);
-    for (int l = 0; l < n; ++l) {
-      const int64_t b = g + l;
-      const __m128i q = _mm_loadu_si128((const __m128i*)(codes + 16 * l));
-      __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)), _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
-      if (FIVE) wv = _mm256_or_si256(wv, fifth_bits(h + l));
-      const float d = fp16(dp[b]), mb = HAS_MIN ? fp16(mp[b]) : bias * d;
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_256(wv, xv)), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
-        tail[r] += mb * x[r].s[b];
-      }
+  const __m128i m = _mm_set1_epi8(0xF);
+  for (int64_t b = g; b < nb; ++b) {  // the row's last blocks, in block order (codes and fifth bits)
+    const __m128i q = _mm_loadu_si128((const __m128i*)(rw.qs + 16 * b));
+    __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)), _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
+    if (FIVE) wv = _mm256_or_si256(wv, fifth_bits((const uint32_t*)(rw.qh + 4 * b)));
+    const float d = fp16(dp[b]), mb = HAS_MIN ? fp16(mp[b]) : bias * d;
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r].q + b * QK));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_256(wv, xv)), _mm256_set1_ps(d * x[r].d[b]), acc[r]);
+      tail[r] += mb * x[r].s[b];
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum256(_mm256_add_ps(acc[r], off[r])) + tail[r];

@@ -111,27 +111,37 @@ struct Panel {
       case Q4_1:
       case Q5_0:
       case Q5_1: {
-        // Each row's codes put back in block order (the layout keeps them by group), then a block a tile row:
-        // Q8_0's signed values; Q4_0, Q5_0: q - 8, q - 16, signed; Q4_1, Q5_1: q, with its offset m.
+        // A block a tile row, its codes taken from the row's groups in registers (group_blocks_each), the
+        // row's last nb % 16 blocks as they are: Q8_0's signed values; Q4_0, Q5_0: q - 8, q - 16, signed;
+        // Q4_1, Q5_1: q, with its offset m.
         const bool q8 = type == Q8_0, sub = !has_min(type) && !q8, five = five_bits(type);
         const __m256i bias = five ? _mm256_set1_epi8(16) : eight;
         const __m128i m = _mm_set1_epi8(0xF);
-        thread_local BlockCodes c;
+        auto nibbles = [&](__m128i q, const uint32_t* h) {  // 16 code bytes (and the fifth bits) -> 32 values
+          __m256i v = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+          if (five) v = _mm256_or_si256(v, fifth_bits(h));
+          return sub ? _mm256_sub_epi8(v, bias) : v;
+        };
+        const int64_t whole = blocks / kGroup * kGroup;
         for (int64_t n = 0; n < rows; ++n) {
           const uint8_t* r = w + n * row_bytes;
           const NibbleRow nr(type, r, blocks);
-          c.set(type, q8 ? r + 2 * blocks : nr.qs, five ? nr.qh : nullptr, blocks);
-          for (int64_t b = 0; b < blocks; ++b) {
-            __m256i v;
+          const uint8_t* qs = q8 ? r + 2 * blocks : nr.qs;
+          auto put = [&](int64_t b, __m256i v) { _mm256_storeu_si256((__m256i*)(tiles.data() + b * 512 + 32 * n), v); };
+          for (int64_t g = 0; g < whole; g += kGroup) {
             if (q8) {
-              v = q8_values(_mm256_loadu_si256((const __m256i*)c.block(b, 8)));
+              group_blocks_each<8>(qs + g * QK, [&](int l, __m256i v) { put(g + l, q8_values(v)); });
             } else {
-              const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
-              v = two_halves(_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m));
-              if (five) v = _mm256_or_si256(v, fifth_bits(&c.h[b]));
-              if (sub) v = _mm256_sub_epi8(v, bias);
+              alignas(64) uint32_t h[kGroup];
+              if (five) _mm512_store_si512((void*)h, group_fifth_bits(nr.qh + 4 * g));
+              group_blocks_each<4>(qs + g * 16, [&](int l, __m128i v) { put(g + l, nibbles(v, h + l)); });
             }
-            _mm256_storeu_si256((__m256i*)(tiles.data() + b * 512 + 32 * n), v);
+          }
+          for (int64_t b = whole; b < blocks; ++b) {
+            if (q8)
+              put(b, q8_values(_mm256_loadu_si256((const __m256i*)(qs + b * QK))));
+            else
+              put(b, nibbles(_mm_loadu_si128((const __m128i*)(qs + 16 * b)), (const uint32_t*)(nr.qh + 4 * b)));
           }
         }
         break;
