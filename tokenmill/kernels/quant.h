@@ -108,29 +108,36 @@ TM_INLINE void transpose_lanes(__m512i v[4]) {
 // A whole group's w (4 or 8) word rows, 64 bytes each, to or from its 16 blocks of 4 w bytes in a row.
 // Word rows to blocks: each lane's words transposed, then the lanes (16 blocks of 4 words); with 8 words,
 // rows 0-3 and 4-7 so, then each block's two halves put side by side. Blocks to word rows: the inverse.
-// each_block(l, v) visits the blocks in registers: v the 16 code bytes of block l (an __m128i) where w = 4,
-// its 32 (an __m256i) where w = 8.
+// group_blocks_each(group, each_block) visits the blocks in registers: each_block(l, v), v the 16 code bytes
+// of block l (an __m128i) where W = 4, its 32 (an __m256i) where W = 8.
+// each_block(l, v) for the 16 blocks of 8 word rows in registers: v block l's 32 bytes (an __m256i).
+template <typename F>
+TM_INLINE void word_rows_each_block(__m512i rows[8], F&& each_block) {
+  transpose_lane_words(rows), transpose_lanes(rows);
+  transpose_lane_words(rows + 4), transpose_lanes(rows + 4);
+  for (int j = 0; j < 4; ++j) {
+    __m512i x = _mm512_shuffle_i32x4(rows[j], rows[4 + j], 0x44), y = _mm512_shuffle_i32x4(rows[j], rows[4 + j], 0xEE);
+    x = _mm512_shuffle_i32x4(x, x, 0xD8), y = _mm512_shuffle_i32x4(y, y, 0xD8);
+    each_block(4 * j, _mm512_castsi512_si256(x));
+    each_block(4 * j + 1, _mm512_extracti64x4_epi64(x, 1));
+    each_block(4 * j + 2, _mm512_castsi512_si256(y));
+    each_block(4 * j + 3, _mm512_extracti64x4_epi64(y, 1));
+  }
+}
 template <int W, typename F>
 TM_INLINE void group_blocks_each(const uint8_t* group, F&& each_block) {
-  __m512i h[2][4];
-  for (int k = 0; k < W / 4; ++k) {
-    for (int t = 0; t < 4; ++t) h[k][t] = _mm512_loadu_si512((const void*)(group + 64 * (4 * k + t)));
-    transpose_lane_words(h[k]);
-    transpose_lanes(h[k]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    if constexpr (W == 4) {
-      each_block(4 * j, _mm512_extracti32x4_epi32(h[0][j], 0));
-      each_block(4 * j + 1, _mm512_extracti32x4_epi32(h[0][j], 1));
-      each_block(4 * j + 2, _mm512_extracti32x4_epi32(h[0][j], 2));
-      each_block(4 * j + 3, _mm512_extracti32x4_epi32(h[0][j], 3));
-    } else {
-      __m512i x = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0x44), y = _mm512_shuffle_i32x4(h[0][j], h[1][j], 0xEE);
-      x = _mm512_shuffle_i32x4(x, x, 0xD8), y = _mm512_shuffle_i32x4(y, y, 0xD8);
-      each_block(4 * j, _mm512_castsi512_si256(x));
-      each_block(4 * j + 1, _mm512_extracti64x4_epi64(x, 1));
-      each_block(4 * j + 2, _mm512_castsi512_si256(y));
-      each_block(4 * j + 3, _mm512_extracti64x4_epi64(y, 1));
+  __m512i h[8];
+  for (int t = 0; t < W; ++t) h[t] = _mm512_loadu_si512((const void*)(group + 64 * t));
+  if constexpr (W == 8) {
+    word_rows_each_block(h, each_block);
+  } else {
+    transpose_lane_words(h);
+    transpose_lanes(h);
+    for (int j = 0; j < 4; ++j) {
+      each_block(4 * j, _mm512_extracti32x4_epi32(h[j], 0));
+      each_block(4 * j + 1, _mm512_extracti32x4_epi32(h[j], 1));
+      each_block(4 * j + 2, _mm512_extracti32x4_epi32(h[j], 2));
+      each_block(4 * j + 3, _mm512_extracti32x4_epi32(h[j], 3));
     }
   }
 }

@@ -111,8 +111,9 @@ struct Panel {
       case Q4_1:
       case Q5_0:
       case Q5_1: {
-        // A block a tile row, its codes taken from the row's groups in registers (group_blocks_each), the
-        // row's last nb % 16 blocks as they are: Q8_0's signed values; Q4_0, Q5_0: q - 8, q - 16, signed;
+        // A block a tile row, its codes taken from the row's groups in registers (a group's 4-bit codes split
+        // into 8 word rows of whole values, then transposed to blocks), the row's last nb % 16 blocks as they
+        // are: Q8_0's signed values; Q4_0, Q5_0: q - 8, q - 16, signed;
         // Q4_1, Q5_1: q, with its offset m.
         const bool q8 = type == Q8_0, sub = !has_min(type) && !q8, five = five_bits(type);
         const __m256i bias = five ? _mm256_set1_epi8(16) : eight;
@@ -131,10 +132,21 @@ struct Panel {
           for (int64_t g = 0; g < whole; g += kGroup) {
             if (q8) {
               group_blocks_each<8>(qs + g * QK, [&](int l, __m256i v) { put(g + l, q8_values(v)); });
-            } else {
-              alignas(64) uint32_t h[kGroup];
-              if (five) _mm512_store_si512((void*)h, group_fifth_bits(nr.qh + 4 * g));
-              group_blocks_each<4>(qs + g * 16, [&](int l, __m128i v) { put(g + l, nibbles(v, h + l)); });
+            } else {  // each word row's low and high nibbles (with their fifth bits): words 0-3 and 4-7 of 8
+              const __m512i m4 = _mm512_set1_epi8(0xF), c16 = _mm512_set1_epi8(16);
+              __m512i words[8];
+              for (int t = 0; t < 4; ++t) {
+                const __m512i q = _mm512_loadu_si512((const void*)(qs + g * 16 + 64 * t));
+                words[t] = _mm512_and_si512(q, m4), words[4 + t] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                if (five) {
+                  uint64_t lo, hi;
+                  std::memcpy(&lo, nr.qh + 4 * g + 8 * t, 8);
+                  std::memcpy(&hi, nr.qh + 4 * g + 32 + 8 * t, 8);
+                  words[t] = _mm512_mask_add_epi8(words[t], (__mmask64)lo, words[t], c16);
+                  words[4 + t] = _mm512_mask_add_epi8(words[4 + t], (__mmask64)hi, words[4 + t], c16);
+                }
+              }
+              word_rows_each_block(words, [&](int l, __m256i v) { put(g + l, sub ? _mm256_sub_epi8(v, bias) : v); });
             }
           }
           for (int64_t b = whole; b < blocks; ++b) {
