@@ -260,7 +260,7 @@ inline void groups_to_fifth_bits(const uint8_t* groups, int64_t nb, uint32_t* h)
 
 // A row's codes and fifth bits in block order, as GGUF holds them (Q8_0: 32 bytes q + 128 a block; the 4-bit
 // formats: 16 bytes, element j in the low nibble of byte j, j + 16 in its high one): for the readers that
-// go block by block (dequantization, AMX tiles). Kept per thread between calls.
+// go block by block (dequantization). Kept per thread between calls.
 struct BlockCodes {
   std::vector<uint8_t> codes;
   std::vector<uint32_t> h;  // five_bits formats
@@ -910,7 +910,8 @@ TM_INLINE __m512i dot4_signed(__m512i q, __m512i x) {
 // int32 over its 8 word rows (two chains), then take one conversion and one multiply-add by the 16 blocks'
 // scales. With VNNI the stored unsigned bytes u = q + 128 multiply the signed inputs directly, so
 // sum(w x) = d (sum(u x) - 128 sum(x)) per block, the second term through the inputs' block sums s (one
-// multiply-add a 16 blocks); without it, the codes are made signed again.
+// multiply-add a 16 blocks); without it, the codes are made signed again. The row's last nb % 16 blocks, in
+// block order, take one product a pair against the inputs as they are (q).
 template <int R>
 inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
@@ -971,7 +972,8 @@ inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
 // multiply-add a group; the offsets (m, or the bias times d) come through the inputs' block sums. Q5_0 and
 // Q5_1 add the fifth bits, a byte mask a word row. MXFP4 (FP4): a byte shuffle turns each code q into
 // u = v + 12, v its doubled FP4 value, so w = e8m0_half(e) (u - 12): unsigned bytes as the other formats',
-// with the offset taken through the inputs' block sums as Q4_0's.
+// with the offset taken through the inputs' block sums as Q4_0's. The row's last nb % 16 blocks, in block
+// order, take one product a pair as Q8_0's.
 template <int R, bool HAS_MIN, bool FIVE, bool FP4 = false>
 inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
