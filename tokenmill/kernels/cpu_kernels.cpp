@@ -1115,18 +1115,20 @@ Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
 // Each part so takes its input rounded as the module-by-module product (quant_product.h) rounds it.
 struct QInput {
   struct Rounding {
-    std::vector<int8_t> q, q4, qt;
+    std::vector<int8_t> q, reordered;  // per256: the K formats' quad order (QRow::q4); else groups (QRow::qt)
     std::vector<float> d, s;
     std::vector<int16_t> sums16;
     void set(const float* x, int64_t m, int64_t M, int64_t K, bool per256) {
       const int64_t nb = K / tmq::QK;
       if (m == 0)
-        q.resize(M * K), q4.resize(M * K), qt.resize(M * K), d.resize(M * nb), s.resize(M * nb),
+        q.resize(M * K), reordered.resize(M * K), d.resize(M * nb), s.resize(M * nb),
             sums16.resize(per256 ? M * K / 16 : 0);
       tmq::quantize_activation_row(x, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb, per256,
                                    per256 ? sums16.data() + m * K / 16 : nullptr);
-      tmq::quad_order(q.data() + m * K, K, q4.data() + m * K);
-      tmq::group_order(q.data() + m * K, K, qt.data() + m * K);
+      if (per256)
+        tmq::quad_order(q.data() + m * K, K, reordered.data() + m * K);
+      else
+        tmq::group_order(q.data() + m * K, K, reordered.data() + m * K);
     }
   };
   Rounding r32, r256;
@@ -1146,12 +1148,12 @@ struct QInput {
         xr = f.data();
       }
       r32.set(xr, m, M, K, false);
-      rows[m] = {r32.q.data() + m * K, r32.d.data() + m * nb, r32.s.data() + m * nb, r32.q4.data() + m * K};
-      rows[m].qt = r32.qt.data() + m * K;
+      rows[m] = {r32.q.data() + m * K, r32.d.data() + m * nb, r32.s.data() + m * nb};
+      rows[m].qt = r32.reordered.data() + m * K;
       if (per256) {
         r256.set(xr, m, M, K, true);
-        rows256[m] = {r256.q.data() + m * K, r256.d.data() + m * nb, r256.s.data() + m * nb, r256.q4.data() + m * K,
-                      r256.sums16.data() + m * K / 16};
+        rows256[m] = {r256.q.data() + m * K, r256.d.data() + m * nb, r256.s.data() + m * nb,
+                      r256.reordered.data() + m * K, r256.sums16.data() + m * K / 16};
         rows[m].per256 = &rows256[m];
       }
     }

@@ -204,13 +204,17 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
     return;
   }
 #endif
-  std::vector<int8_t> q4(M * K), qt(M * K);
+  std::vector<int8_t> reordered(M * K);  // the K formats' quad order (per256), else the 32-element groups
   for (int64_t m = 0; m < M; ++m) {
-    quad_order(q.data() + m * K, K, q4.data() + m * K);
-    group_order(q.data() + m * K, K, qt.data() + m * K);
-    rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb, q4.data() + m * K};
-    rows[m].qt = qt.data() + m * K;
-    if (per256) rows[m].sums16 = sums16.data() + m * K / 16, rows[m].per256 = &rows[m];
+    int8_t* r = reordered.data() + m * K;
+    rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+    if (per256) {
+      quad_order(q.data() + m * K, K, r);
+      rows[m].q4 = r, rows[m].sums16 = sums16.data() + m * K / 16, rows[m].per256 = &rows[m];
+    } else {
+      group_order(q.data() + m * K, K, r);
+      rows[m].qt = r;
+    }
   }
   // A few rows: long tiles, so each thread streams long runs of weight rows, asked for at least 4 KiB (and
   // two rows) ahead: short rows (a 640-wide Q8_0 row is 680 bytes) would otherwise leave too few lines in
