@@ -265,10 +265,16 @@ def test_fused_decode_step_runs_the_experts(folders, name, num_requests):
 
 
 def _assert_close(fused, module) -> None:
-    """Logprobs equal to float32 rounding: the router's logits round a little differently in the two paths,
-    which can flip a near-tie between two experts now and then (seen: 0.005 nats), never more."""
-    gaps = [abs(a - b) for (_, x), (_, y) in zip(fused, module) for a, b in zip(x, y)]
-    assert max(gaps) < 0.02 and sum(gaps) / len(gaps) < 1e-4, (max(gaps), sum(gaps) / len(gaps))
+    """Logprobs equal to float32 rounding, but where the router's logits, which round a little differently in
+    the two paths, flip a near-tie between two experts: that request's logprobs differ from that step on (the
+    token's KV differs), by a few thousandths of a nat (seen: 0.011), never more than 0.02. Few requests may
+    flip: at most one in four (one in a batch of fewer), the others within 1e-4 at every token."""
+    flipped = 0
+    for (_, x), (_, y) in zip(fused, module):
+        gaps = [abs(a - b) for a, b in zip(x, y)]
+        assert max(gaps) < 0.02, gaps
+        flipped += max(gaps) > 1e-4
+    assert flipped <= max(1, len(fused) // 4), f"{flipped} of {len(fused)} requests flipped"
 
 
 def test_fused_experts_in_their_block_format(folders, tmp_path):
