@@ -213,3 +213,26 @@ def test_prompt_steps_beside_a_busy_core_go_on_one_thread(default_gguf):
                          text=True, check=True, timeout=300)
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert stats["switches"] >= 1 and stats["solo_steps"] >= 1, stats
+
+
+@pytest.mark.skipif(cpu_kernels.usable_cpus() < 2 or cpu_kernels.load() is None,
+                    reason="needs two usable CPUs and the CPU kernels")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_decode_step_meets_five_times_a_layer(tiny_models, arch):
+    """The decode team waits at five barriers a layer: after qkv (each thread norms, rotates and stores the
+    heads it computed), after attention (the thread that finishes a request's last part merges it), and
+    after o, gate/up and down; a branch normed before the residual (Gemma's sandwich norms) is added by
+    every thread to its own copy. Each barrier waits for the slowest thread, and for one whose core another
+    process holds, for the scheduler: there were seven a layer, nine with sandwich norms."""
+    with open(os.path.join(tiny_models[arch], "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    llm = LLM(tiny_models[arch], dtype="float32", kv_cache_memory="8MiB")
+    params = SamplingParams(max_tokens=2, temperature=0.8, seed=0)
+    llm.generate([[1, 2, 3]], params, use_tqdm=False)  # (builds the fused decoder)
+    fused = llm.engine.model._fused[1]
+    fused.run_solo(0, adaptive=False)  # a team whatever the machine's load
+    teams = []
+    for _ in range(3):  # the step governor may still hold a step to one thread on a loaded machine
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)  # the prompt, then one sampled step (logits())
+        teams.append(fused.last_team())
+    assert (2, 5 * layers) in teams, teams

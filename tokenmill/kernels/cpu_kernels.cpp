@@ -744,6 +744,22 @@ struct AttentionPlan {
     });
   }
 
+  // The merge group of part i: its request's KV-head group, whose parts (one per token range, group_parts
+  // of them) together give the query heads [h0, h0 + per_part) of that request, h0 = (g % head_groups) *
+  // per_part. Groups are numbered b * head_groups + kg, below B * KVH.
+  int64_t group_of(int64_t i) const {
+    const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    return b * head_groups + (i - first[b]) / chunks[b];
+  }
+  int64_t group_parts(int64_t g) const { return chunks[g / head_groups]; }
+
+  // merge() for every query head of group g.
+  template <typename T>
+  void merge_group(int64_t g, T* out, float* o, const float* sinks = nullptr) const {
+    const int64_t b = g / head_groups, h0 = (g % head_groups) * per_part;
+    for (int64_t h = h0; h < h0 + per_part; ++h) merge<T>(b * H + h, out, o, sinks);
+  }
+
   // out[j] for query head j = b * H + h, from its parts. sinks (or nullptr): a logit per query head that
   // joins the softmax's denominator and takes its share of the probability to no value (gpt-oss).
   template <typename T>
@@ -961,14 +977,15 @@ int64_t argmax_row(const T* row, int64_t N) {
 // lets the scheduler move it there.
 class SpinBarrier {
  public:
-  // Cycles the calling thread has spent waiting here (see TeamClock).
-  static inline thread_local uint64_t waited = 0;
+  // Cycles the calling thread has spent waiting here (see TeamClock), and its waits.
+  static inline thread_local uint64_t waited = 0, waits = 0;
 
   void wait(int n) {
     if (n <= 1) return;
     const uint64_t t0 = __rdtsc();
     wait_for(n);
     waited += __rdtsc() - t0;
+    ++waits;
   }
 
  private:
@@ -1015,6 +1032,8 @@ inline int64_t team_size() {
 struct TeamClock {
   uint64_t cycles = 0;
   std::vector<uint64_t> waited;
+  int threads = 0;
+  int64_t barriers = 0;  // the region's barrier waits (every thread waits at each)
   // The share of the region the most-waiting thread spent waiting.
   double lag() const {
     uint64_t most = 0;
@@ -1039,9 +1058,10 @@ TeamClock run_team(int64_t want, const F& body) {
     const int me = joined.fetch_add(1);
     taken.fetch_add(i1 - i0);
     while (taken.load() < want) std::this_thread::yield();
-    const uint64_t before = SpinBarrier::waited;
+    const uint64_t before = SpinBarrier::waited, waits_before = SpinBarrier::waits;
     body(me, joined.load(), barrier);
     clock.waited[me] = SpinBarrier::waited - before;
+    if (me == 0) clock.threads = joined.load(), clock.barriers = (int64_t)(SpinBarrier::waits - waits_before);
   });
   clock.cycles = __rdtsc() - start;
   return clock;
@@ -1051,6 +1071,12 @@ TeamClock run_team(int64_t want, const F& body) {
 inline std::pair<int64_t, int64_t> share(int64_t N, int w, int n) {
   auto cut = [&](int i) { return i == n ? N : N * i / n / 16 * 16; };
   return {cut(w), cut(w + 1)};
+}
+
+// Rows [begin, end) of a projection of `heads` heads of D rows each (qkv) that worker w of n takes: whole
+// heads, so that the thread that computes a head's rows can also norm, rotate and store it.
+inline std::pair<int64_t, int64_t> head_share(int64_t heads, int64_t D, int w, int n) {
+  return {heads * w / n * D, heads * (w + 1) / n * D};
 }
 
 // ---------------------------------------------------------------------------------- weight matrices
@@ -1654,9 +1680,9 @@ class FusedDecoder {
       team(threads, [&](int w, int n, SpinBarrier& barrier) {
         Walks walks(streams_[n][w], s.B, false);
         ThreadState ts(D_);
-        team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
+        const T* x = team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
         for (int64_t b = w; b < s.B; b += n)
-          rms_norm_rows(data(in.x) + b * hidden_, data(final_norm_), data_mut(out) + b * hidden_, 1, hidden_, eps_,
+          rms_norm_rows(x + b * hidden_, data(final_norm_), data_mut(out) + b * hidden_, 1, hidden_, eps_,
                         norm_offset_);
       });
     } else {
@@ -1726,8 +1752,8 @@ class FusedDecoder {
       const auto stream = stream_with_head(w, n);
       Walks walks(stream, s.B, false, short_head_rows(w, n));
       ThreadState ts(D_);
-      team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
-      team_logits(data(in.x), s.B, w, n, buf, data_mut(out), walks, ts);
+      const T* x = team_layers(s, plan, buf, data_mut(in.x), w, n, barrier, walks, ts);
+      team_logits(x, s.B, w, n, buf, data_mut(out), walks, ts);
     });
     return whole_vocab(out);
   }
@@ -1930,12 +1956,16 @@ class FusedDecoder {
       for (auto& w : clock.waited) w -= std::min(w, group_cycles_);
     }
     if (threads > 1) note_lag(clock.lag());
+    last_team_ = {clock.threads, clock.barriers};
   }
   uint64_t group_cycles_ = 0;  // this region's, by thread 0
+  std::pair<int, int64_t> last_team_{0, 0};
 
  public:
   // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
   std::tuple<int64_t, int64_t, int64_t, double> team_stats() const { return {calls_, solo_calls_, lagged_, last_lag_}; }
+  // (threads, barrier waits) of the last call that ran in a team ((0, 0) before the first)
+  std::pair<int, int64_t> last_team() const { return last_team_; }
   // The next `calls` calls run on one thread, as after a lagging team; adaptive=false: a lagging team
   // does not switch (to compare the two on equal terms). The count of lagging calls in a row starts afresh.
   void run_solo(int64_t calls, bool adaptive) { solo_left_ = (int)calls, adaptive_ = adaptive, lag_run_ = 0; }
@@ -2009,29 +2039,36 @@ class FusedDecoder {
   // Request b's new q, k, v (one row of the qkv projection): q/k norms where the model has them, rotary
   // on q and k, q copied out for attention, k and v written to the cache slot of the new token.
   void place_token(const LayerWeights<T>& L, const Step& s, int64_t b, T* row, T* q) {
-    const int64_t QS = H_ * D_, KVS = KVH_ * D_;
-    T* qb = row;
-    T* kb = row + QS;
-    const T* vb = row + QS + KVS;
-    if (L.q_norm) {
-      rms_norm_rows(qb, data(*L.q_norm), qb, H_, D_, eps_, norm_offset_, norm_in_float_);
-      rms_norm_rows(kb, data(*L.k_norm), kb, KVH_, D_, eps_, norm_offset_, norm_in_float_);
-    }
+    place_heads(L, s, b, 0, H_ + 2 * KVH_, row, q);
+  }
+
+  // place_token for heads [h0, h1) of the row alone (the row's heads: H of q, then KVH of k, then KVH of v),
+  // each head on its own.
+  void place_heads(const LayerWeights<T>& L, const Step& s, int64_t b, int64_t h0, int64_t h1, T* row, T* q) {
     const T* cb = s.cos + (L.rope * s.B + b) * R_;
     const T* sb = s.sin + (L.rope * s.B + b) * R_;
-    for (int64_t i = 0; i < H_; ++i) rotate(qb + i * D_, cb, sb, R_);
-    for (int64_t i = 0; i < KVH_; ++i) rotate(kb + i * D_, cb, sb, R_);
-    std::memcpy(q + b * QS, qb, QS * sizeof(T));
     const int64_t slot = s.slot[b];
-    if (L.code == KVCode::kPlain) {
-      std::memcpy(reinterpret_cast<T*>(L.k_cache.data_ptr()) + slot * KVS, kb, KVS * sizeof(T));
-      std::memcpy(reinterpret_cast<T*>(L.v_cache.data_ptr()) + slot * KVS, vb, KVS * sizeof(T));
-      return;
+    for (int64_t hd = h0; hd < h1; ++hd) {
+      T* v = row + hd * D_;
+      const bool is_q = hd < H_, is_k = !is_q && hd < H_ + KVH_;
+      if (is_q || is_k) {
+        if (L.q_norm) rms_norm_rows(v, data(is_q ? *L.q_norm : *L.k_norm), v, 1, D_, eps_, norm_offset_, norm_in_float_);
+        rotate(v, cb, sb, R_);
+      }
+      if (is_q) {
+        std::memcpy(q + b * H_ * D_ + hd * D_, v, D_ * sizeof(T));
+        continue;
+      }
+      const int64_t kh = hd - H_ - (is_k ? 0 : KVH_);
+      const torch::Tensor& cache = is_k ? L.k_cache : L.v_cache;
+      const int64_t at = slot * KVH_ * D_ + kh * D_;
+      if (L.code == KVCode::kPlain) {
+        std::memcpy(reinterpret_cast<T*>(cache.data_ptr()) + at, v, D_ * sizeof(T));
+      } else {
+        uint16_t* scales = reinterpret_cast<uint16_t*>((is_k ? L.k_scale : L.v_scale).data_ptr());
+        quantize_kv_rows(v, 1, D_, L.code, reinterpret_cast<uint8_t*>(cache.data_ptr()) + at, scales + slot * KVH_ + kh);
+      }
     }
-    auto codes = [&](const torch::Tensor& c) { return reinterpret_cast<uint8_t*>(c.data_ptr()) + slot * KVS; };
-    auto scales = [&](const torch::Tensor& c) { return reinterpret_cast<uint16_t*>(c.data_ptr()) + slot * KVH_; };
-    quantize_kv_rows(kb, KVH_, D_, L.code, codes(L.k_cache), scales(L.k_scale));
-    quantize_kv_rows(vb, KVH_, D_, L.code, codes(L.v_cache), scales(L.v_scale));
   }
 
   // The step's intermediate results, shared by the threads of a team.
@@ -2042,9 +2079,14 @@ class FusedDecoder {
     // Mixture-of-experts layers: per (token, expert) pair its gate and up rows, activation and output; the
     // shared expert's per token.
     std::vector<T> pairs_gu, pairs_act, pairs_out, shared_gu, shared_act, shared_out;
+    // Per merge group of the attention plans (AttentionPlan::group_of), how many of its parts are done: the
+    // thread that finishes the last one merges the group (and sets it back to 0 for the next layer).
+    std::unique_ptr<std::atomic<int>[]> parts_done;
     TeamBuffers(const FusedDecoder& d, int64_t B, int threads)
         : qkv(B * (d.H_ + 2 * d.KVH_) * d.D_), q(B * d.H_ * d.D_), attn(B * d.H_ * d.D_), gu(B * 2 * d.I_),
-          act(B * d.I_), normed(threads * B * d.hidden_), branch(B * d.hidden_) {
+          act(B * d.I_), normed(threads * B * d.hidden_), branch(B * d.hidden_),
+          parts_done(new std::atomic<int>[B * d.KVH_]) {
+      for (int64_t g = 0; g < B * d.KVH_; ++g) parts_done[g].store(0);
       int64_t pairs = 0, I = 0, shared_I = 0;
       for (const auto& L : d.layers_)
         if (L.moe) pairs = std::max(pairs, B * L.moe->top_k), I = std::max(I, L.moe->I),
@@ -2059,6 +2101,7 @@ class FusedDecoder {
   struct ThreadState {
     AttentionPlan::Scratch scratch;
     std::vector<float> merged;
+    std::vector<T> resid, branch_row;  // a whole copy of the residual stream [B, hidden]; one normed branch row
     QInput xq;  // the input of the projection running, quantized, where its matrix has block-format parts
     // Mixture-of-experts layers: the step's routing (each thread its own), the router's and the shared
     // expert gate's outputs, each pair's input row (dense and quantized), the weight reads planned.
@@ -2072,51 +2115,86 @@ class FusedDecoder {
   // A step of a few requests runs in one parallel region. Each thread computes a fixed share of every
   // projection's rows, so its weight reads for the whole step are one stream (its slices of each matrix
   // in turn) walked ahead of it across matrix boundaries; phases that need other threads' results
-  // (the whole qkv row, all heads' attention, the full residual) wait at a barrier. The small
-  // element-wise pieces between projections run on every thread or are split by request; so does
-  // quantizing a projection's input for block-format weights (each thread its own copy: no barrier).
-  // This is thread w of n's part of the decoder layers, on the residual stream xp [B, hidden].
-  void team_layers(const Step& s, StepPlans& plans, TeamBuffers& buf, T* xp, int w, int n, SpinBarrier& barrier,
-                   Walks& walks, ThreadState& ts) {
+  // (the whole qkv row, all heads' attention, the full residual) wait at a barrier: five a layer. The
+  // small pieces between projections run on every thread or with the rows they follow: each thread norms,
+  // rotates and stores the heads of the qkv rows it computed (whole heads: head_share), the thread that
+  // finishes a request's last attention part merges its parts, and every thread quantizes a projection's
+  // input for itself. A branch normed before it joins the residual (sandwich norms, or a tensor-parallel
+  // sum) is added by every thread to a whole copy of the residual of its own (ThreadState::resid), which
+  // it reads from then on; a projection that adds into the residual in place writes its own columns of
+  // the shared xp. This is thread w of n's part of the decoder layers, on the residual stream xp [B,
+  // hidden]; returns the final residual as this thread may read it (xp, or its own copy).
+  const T* team_layers(const Step& s, StepPlans& plans, TeamBuffers& buf, T* xp, int w, int n, SpinBarrier& barrier,
+                       Walks& walks, ThreadState& ts) {
     const int64_t B = s.B, hidden = hidden_, QS = H_ * D_, KVS = KVH_ * D_, QKV = QS + 2 * KVS;
     const Attn* qh = attn_ptr(buf.q.data());
     Attn* attn_h = attn_ptr(buf.attn.data());
     T* h = buf.normed.data() + w * B * hidden;
-    const auto [r0, r1] = share(QKV, w, n);
+    const auto [r0, r1] = head_share(H_ + 2 * KVH_, D_, w, n);
     const auto [o0, o1] = share(hidden, w, n);
     const auto [i0, i1] = share(I_, w, n);
-    const int64_t j0 = B * H_ * w / n, j1 = B * H_ * (w + 1) / n;
     T *qkv = buf.qkv.data(), *gu = buf.gu.data(), *act = buf.act.data();
     auto input = [&](const Matrix& W, const T* x) {
       if (W.quantized) ts.xq.set(x, B, W.K, W.per256);
+    };
+    const T* resid = xp;  // the residual as this thread reads it: xp (whole after a barrier) or ts.resid
+    // Before a projection adds into xp's own columns: those columns as this thread's copy has them.
+    auto to_shared = [&] {
+      if (resid == xp) return;
+      for (int64_t b = 0; b < B; ++b)
+        std::memcpy(xp + b * hidden + o0, resid + b * hidden + o0, (o1 - o0) * sizeof(T));
+      resid = xp;
+    };
+    // The whole branch (after a barrier), normed by `norm` where there is one, added to the residual in
+    // this thread's own copy.
+    auto add_branch = [&](const c10::optional<torch::Tensor>& norm) {
+      ts.resid.resize(B * hidden), ts.branch_row.resize(hidden);
+      for (int64_t b = 0; b < B; ++b) {
+        const T* row = buf.branch.data() + b * hidden;
+        if (norm) {
+          rms_norm_rows(row, data(*norm), ts.branch_row.data(), 1, hidden, eps_, norm_offset_, norm_in_float_);
+          row = ts.branch_row.data();
+        }
+        T* out = ts.resid.data() + b * hidden;
+        if (resid != ts.resid.data()) std::memcpy(out, resid + b * hidden, hidden * sizeof(T));
+        add_into(out, row, hidden);
+      }
+      resid = ts.resid.data();
     };
     for (size_t li = 0; li < layers_.size(); ++li) {
       const LayerWeights<T>& L = layers_[li];
       AttentionPlan& plan = plans[li];
       const KVLayer kv = L.kv();
-      rms_norm_rows(xp, data(L.input_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
+      rms_norm_rows(resid, data(L.input_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
       input(L.qkv, h);
       matrix_rows(L.qkv, h, ts.xq, B, r0, r1, data(L.qkv_bias), qkv, false, walks);
+      for (int64_t b = 0; b < B; ++b) place_heads(L, s, b, r0 / D_, r1 / D_, qkv + b * QKV, buf.q.data());
       for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<Attn>(i, kv);
       barrier.wait(n);
-      for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv + b * QKV, buf.q.data());
-      barrier.wait(n);
-      for (int64_t i = w; i < plan.parts; i += n) plan.run_part<Attn>(i, qh, kv, ts.scratch);
-      barrier.wait(n);
-      for (int64_t j = j0; j < j1; ++j) plan.merge<Attn>(j, attn_h, ts.merged.data(), L.sink_data());
+      for (int64_t i = w; i < plan.parts; i += n) {
+        plan.run_part<Attn>(i, qh, kv, ts.scratch);
+        const int64_t g = plan.group_of(i);
+        if (buf.parts_done[g].fetch_add(1, std::memory_order_acq_rel) == plan.group_parts(g) - 1) {
+          buf.parts_done[g].store(0, std::memory_order_relaxed);
+          plan.merge_group<Attn>(g, attn_h, ts.merged.data(), L.sink_data());
+        }
+      }
       barrier.wait(n);
       input(L.o, buf.attn.data());
       if (L.attn_out_norm || group_) {  // the whole output row first (summed over the shards), then it joins the residual
         matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), buf.branch.data(), false, walks);
         barrier.wait(n);
         sum_shards(buf.branch.data(), B, w, n, barrier);
-        for (int64_t b = w; b < B; b += n) into_residual(buf.branch.data(), L.attn_out_norm, xp, b);
+        add_branch(L.attn_out_norm);
       } else {
+        to_shared();
         matrix_rows(L.o, buf.attn.data(), ts.xq, B, o0, o1, data(L.o_bias), xp, true, walks);
+        barrier.wait(n);
       }
-      barrier.wait(n);
-      rms_norm_rows(xp, data(L.post_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
+      rms_norm_rows(resid, data(L.post_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
       if (L.moe) {
+        if (resid != xp) barrier.wait(n);  // every thread past add_branch's reads of xp before any writes to it
+        to_shared();
         team_experts(*L.moe, B, h, xp, w, n, barrier, buf, ts);
         barrier.wait(n);
         continue;
@@ -2129,12 +2207,14 @@ class FusedDecoder {
         matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), buf.branch.data(), false, walks);
         barrier.wait(n);
         sum_shards(buf.branch.data(), B, w, n, barrier);
-        for (int64_t b = w; b < B; b += n) into_residual(buf.branch.data(), L.ffn_out_norm, xp, b);
+        add_branch(L.ffn_out_norm);
       } else {
+        to_shared();
         matrix_rows(L.down, act, ts.xq, B, o0, o1, data(L.down_bias), xp, true, walks);
+        barrier.wait(n);
       }
-      barrier.wait(n);
     }
+    return resid;
   }
 
   // A gated MLP's rows [i0, i1) for M input rows x (xq: quantized, where W has block-format parts): this
@@ -2305,8 +2385,8 @@ class FusedDecoder {
       Walks walks(stream, B, true, short_head_rows(w, n));
       ThreadState ts(D_);
       while (more) {
-        team_layers(s, plan, buf, x, w, n, barrier, walks, ts);
-        const auto [v0, v1] = team_logits(x, B, w, n, buf, logits.data(), walks, ts);
+        const T* last = team_layers(s, plan, buf, x, w, n, barrier, walks, ts);
+        const auto [v0, v1] = team_logits(last, B, w, n, buf, logits.data(), walks, ts);
         for (int64_t b = 0; b < B; ++b) {
           const T* row = logits.data() + b * V;
           const int64_t i = v1 > v0 ? v0 + argmax_row(row + v0, v1 - v0) : -1;
@@ -2345,13 +2425,12 @@ class FusedDecoder {
   // each layer (the shares team_layers gives it). Made once per thread count.
   void plan_streams(int threads) {
     if ((int)streams_.size() > threads) return;
-    const int64_t QS = H_ * D_, QKV = QS + 2 * KVH_ * D_;
     streams_.assign(threads + 1, {});
     for (int n = 1; n <= threads; ++n) {
       streams_[n].resize(n);
       for (int w = 0; w < n; ++w) {
         auto& segs = streams_[n][w];
-        const auto [r0, r1] = share(QKV, w, n);
+        const auto [r0, r1] = head_share(H_ + 2 * KVH_, D_, w, n);
         const auto [o0, o1] = share(hidden_, w, n);
         const auto [i0, i1] = share(I_, w, n);
         for (const auto& L : layers_) {
@@ -2613,6 +2692,7 @@ void bind_decoder(pybind11::module& m, const char* name) {
       .def("interrupt", &D::interrupt)
       .def("clear_interrupt", &D::clear_interrupt)
       .def("team_stats", &D::team_stats)
+      .def("last_team", &D::last_team)
       .def("run_solo", &D::run_solo, pybind11::arg("calls"), pybind11::arg("adaptive") = true)
       .def("note_lag", &D::note_lag)
       .def("solo_left", &D::solo_left)
