@@ -3,10 +3,13 @@ quiet and then beside a process spinning on one CPU, alternated over rounds.
 
 The figure that matters is each engine's ratio contended / quiet (proportional to the CPUs left would be
 0.5 on 2 CPUs). --checkout runs another tokenmill checkout as well (an earlier version, say), by
-putting it first on PYTHONPATH.
+putting it first on PYTHONPATH. --fixed-team turns off both of tokenmill's ways of going on with one thread
+(the team's lag switch and the step governor), so that every step runs on the two threads beside the busy
+CPU, as llama.cpp's fixed team does: the contended rate then shows what each synchronisation of a step
+costs when a thread keeps losing its core.
 
     python benchmarks/contention.py MODEL.gguf [--rounds 3] [--tokens 64] [--checkout DIR ...]
-        [--llama-cpp-dir DIR]
+        [--llama-cpp-dir DIR] [--fixed-team]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 _CHILD = r"""
 import json, os, subprocess, sys, time
 from tokenmill import LLM, SamplingParams
-path, tokens, spin_cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, tokens, spin_cpu, fixed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False)
 sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 def rate():
@@ -29,6 +32,9 @@ def rate():
     llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
     return tokens / (time.perf_counter() - t)
 rate()
+if fixed:  # every step on the whole team: no lag switch, no step governor
+    llm.engine.model._fused[1].run_solo(0, adaptive=False)
+    llm.engine.runner.governor.WAITED = float("inf")
 quiet = rate()
 spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{spin_cpu}}})\nwhile True: pass"])
 try:
@@ -45,12 +51,13 @@ print(json.dumps({"quiet": quiet, "busy": busy, "team_stats": stats,
 """
 
 
-def tokenmill(path: str, tokens: int, spin_cpu: int, checkout: str | None) -> dict:
+def tokenmill(path: str, tokens: int, spin_cpu: int, checkout: str | None, fixed: bool = False) -> dict:
     env = dict(os.environ)
     if checkout:
         env["PYTHONPATH"] = os.path.abspath(checkout) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _CHILD, path, str(tokens), str(spin_cpu)], capture_output=True,
-                         text=True, check=True, env=env, cwd=os.path.abspath(checkout) if checkout else None)
+    out = subprocess.run([sys.executable, "-c", _CHILD, path, str(tokens), str(spin_cpu), str(int(fixed))],
+                         capture_output=True, text=True, check=True, env=env,
+                         cwd=os.path.abspath(checkout) if checkout else None)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -78,6 +85,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--checkout", action="append", default=[])
     p.add_argument("--llama-cpp-dir", default=os.path.expanduser("~/.cache/tokenmill/llama.cpp"))
+    p.add_argument("--fixed-team", action="store_true", help="tokenmill never goes on with one thread")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     spin_cpu = cpus[-1]
@@ -92,7 +100,7 @@ def main() -> None:
             if how == "llama":
                 res = llama_pair(exe, args.model, args.tokens, len(cpus), spin_cpu)
             else:
-                res = tokenmill(args.model, args.tokens, spin_cpu, how)
+                res = tokenmill(args.model, args.tokens, spin_cpu, how, args.fixed_team)
             results[name].append(res)
             print(f"round {r + 1}: {name} quiet {res['quiet']:.2f} busy {res['busy']:.2f} tok/s "
                   f"({res['busy'] / res['quiet']:.2f}x)" + (f" team {res['team_stats']}" if res.get("team_stats") else "")

@@ -215,8 +215,22 @@ def test_prompt_steps_beside_a_busy_core_go_on_one_thread(default_gguf):
     assert stats["switches"] >= 1 and stats["solo_steps"] >= 1, stats
 
 
-@pytest.mark.skipif(cpu_kernels.usable_cpus() < 2 or cpu_kernels.load() is None,
-                    reason="needs two usable CPUs and the CPU kernels")
+def _barriers_a_step(model: str) -> list[tuple[int, int]]:
+    """(threads, barrier waits) of three sampled decode steps (logits()) of a fresh engine, its team fixed."""
+    llm = LLM(model, dtype="float32", kv_cache_memory="8MiB")
+    params = SamplingParams(max_tokens=2, temperature=0.8, seed=0)
+    llm.generate([[1, 2, 3]], params, use_tqdm=False)  # (builds the fused decoder)
+    fused = llm.engine.model._fused[1]
+    fused.run_solo(0, adaptive=False)  # a team whatever the machine's load
+    teams = []
+    for _ in range(3):  # the step governor may still hold a step to one thread on a loaded machine
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)  # the prompt, then one sampled step
+        teams.append(fused.last_team())
+    return teams
+
+
+@pytest.mark.skipif(cpu_kernels.usable_cpus() != 2 or cpu_kernels.load() is None,
+                    reason="needs two usable CPUs (a team of two) and the CPU kernels")
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_decode_step_meets_five_times_a_layer(tiny_models, arch):
     """The decode team waits at five barriers a layer: after qkv (each thread norms, rotates and stores the
@@ -226,13 +240,14 @@ def test_a_decode_step_meets_five_times_a_layer(tiny_models, arch):
     process holds, for the scheduler: there were seven a layer, nine with sandwich norms."""
     with open(os.path.join(tiny_models[arch], "config.json")) as f:
         layers = json.load(f)["num_hidden_layers"]
-    llm = LLM(tiny_models[arch], dtype="float32", kv_cache_memory="8MiB")
-    params = SamplingParams(max_tokens=2, temperature=0.8, seed=0)
-    llm.generate([[1, 2, 3]], params, use_tqdm=False)  # (builds the fused decoder)
-    fused = llm.engine.model._fused[1]
-    fused.run_solo(0, adaptive=False)  # a team whatever the machine's load
-    teams = []
-    for _ in range(3):  # the step governor may still hold a step to one thread on a loaded machine
-        llm.generate([[1, 2, 3]], params, use_tqdm=False)  # the prompt, then one sampled step (logits())
-        teams.append(fused.last_team())
+    teams = _barriers_a_step(tiny_models[arch])
     assert (2, 5 * layers) in teams, teams
+
+
+@pytest.mark.skipif(cpu_kernels.usable_cpus() != 2 or cpu_kernels.load() is None,
+                    reason="needs two usable CPUs (a team of two) and the CPU kernels")
+def test_heads_that_do_not_split_evenly_are_placed_in_a_phase_of_their_own(default_gguf):
+    """The default model's 15 heads (9 of q, 3 each of k and v) do not split evenly over two threads: the
+    qkv rows keep their even split, and the heads are placed after a barrier of their own, six a layer."""
+    teams = _barriers_a_step(default_gguf)
+    assert (2, 6 * 30) in teams, teams

@@ -2112,25 +2112,36 @@ class FusedDecoder {
     explicit ThreadState(int64_t D) : merged(D) {}
   };
 
+  // Whether a team of n places the new token's heads with the qkv rows each thread computed: where the
+  // heads split evenly over the threads. Else a thread's share of whole heads would be a head's rows longer
+  // than another's (the default model's 15 heads on 2 threads: a step ~1% slower), and the heads are placed
+  // in a phase of their own, after a barrier, one thread per request.
+  bool heads_with_rows(int n) const { return (H_ + 2 * KVH_) % n == 0; }
+  std::pair<int64_t, int64_t> qkv_share(int w, int n) const {
+    return heads_with_rows(n) ? head_share(H_ + 2 * KVH_, D_, w, n) : share(H_ * D_ + 2 * KVH_ * D_, w, n);
+  }
+
   // A step of a few requests runs in one parallel region. Each thread computes a fixed share of every
   // projection's rows, so its weight reads for the whole step are one stream (its slices of each matrix
   // in turn) walked ahead of it across matrix boundaries; phases that need other threads' results
-  // (the whole qkv row, all heads' attention, the full residual) wait at a barrier: five a layer. The
-  // small pieces between projections run on every thread or with the rows they follow: each thread norms,
-  // rotates and stores the heads of the qkv rows it computed (whole heads: head_share), the thread that
-  // finishes a request's last attention part merges its parts, and every thread quantizes a projection's
-  // input for itself. A branch normed before it joins the residual (sandwich norms, or a tensor-parallel
-  // sum) is added by every thread to a whole copy of the residual of its own (ThreadState::resid), which
-  // it reads from then on; a projection that adds into the residual in place writes its own columns of
-  // the shared xp. This is thread w of n's part of the decoder layers, on the residual stream xp [B,
-  // hidden]; returns the final residual as this thread may read it (xp, or its own copy).
+  // (the whole qkv row, all heads' attention, the full residual) wait at a barrier: five a layer, six
+  // where the heads do not split evenly (heads_with_rows). The small pieces between projections run on
+  // every thread or with the rows they follow: each thread norms, rotates and stores the heads of the qkv
+  // rows it computed (whole heads: head_share), the thread that finishes a request's last attention part
+  // merges its parts, and every thread quantizes a projection's input for itself. A branch normed before
+  // it joins the residual (sandwich norms, or a tensor-parallel sum) is added by every thread to a whole
+  // copy of the residual of its own (ThreadState::resid), which it reads from then on; a projection that
+  // adds into the residual in place writes its own columns of the shared xp. This is thread w of n's part
+  // of the decoder layers, on the residual stream xp [B, hidden]; returns the final residual as this
+  // thread may read it (xp, or its own copy).
   const T* team_layers(const Step& s, StepPlans& plans, TeamBuffers& buf, T* xp, int w, int n, SpinBarrier& barrier,
                        Walks& walks, ThreadState& ts) {
     const int64_t B = s.B, hidden = hidden_, QS = H_ * D_, KVS = KVH_ * D_, QKV = QS + 2 * KVS;
     const Attn* qh = attn_ptr(buf.q.data());
     Attn* attn_h = attn_ptr(buf.attn.data());
     T* h = buf.normed.data() + w * B * hidden;
-    const auto [r0, r1] = head_share(H_ + 2 * KVH_, D_, w, n);
+    const auto [r0, r1] = qkv_share(w, n);
+    const bool own_heads = heads_with_rows(n);
     const auto [o0, o1] = share(hidden, w, n);
     const auto [i0, i1] = share(I_, w, n);
     T *qkv = buf.qkv.data(), *gu = buf.gu.data(), *act = buf.act.data();
@@ -2168,9 +2179,14 @@ class FusedDecoder {
       rms_norm_rows(resid, data(L.input_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
       input(L.qkv, h);
       matrix_rows(L.qkv, h, ts.xq, B, r0, r1, data(L.qkv_bias), qkv, false, walks);
-      for (int64_t b = 0; b < B; ++b) place_heads(L, s, b, r0 / D_, r1 / D_, qkv + b * QKV, buf.q.data());
+      if (own_heads)
+        for (int64_t b = 0; b < B; ++b) place_heads(L, s, b, r0 / D_, r1 / D_, qkv + b * QKV, buf.q.data());
       for (int64_t i = w; i < plan.parts; i += n) plan.prefetch_part<Attn>(i, kv);
       barrier.wait(n);
+      if (!own_heads) {
+        for (int64_t b = w; b < B; b += n) place_token(L, s, b, qkv + b * QKV, buf.q.data());
+        barrier.wait(n);
+      }
       for (int64_t i = w; i < plan.parts; i += n) {
         plan.run_part<Attn>(i, qh, kv, ts.scratch);
         const int64_t g = plan.group_of(i);
@@ -2430,7 +2446,7 @@ class FusedDecoder {
       streams_[n].resize(n);
       for (int w = 0; w < n; ++w) {
         auto& segs = streams_[n][w];
-        const auto [r0, r1] = head_share(H_ + 2 * KVH_, D_, w, n);
+        const auto [r0, r1] = qkv_share(w, n);
         const auto [o0, o1] = share(hidden_, w, n);
         const auto [i0, i1] = share(I_, w, n);
         for (const auto& L : layers_) {
