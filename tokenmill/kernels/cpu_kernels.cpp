@@ -971,7 +971,7 @@ int64_t argmax_row(const T* row, int64_t N) {
 // ------------------------------------------------------------------------------------------- team
 
 // Waits until `n` threads have arrived. Spinning costs well under a microsecond where a parallel region
-// per operation costs several, which adds up over the ~200 phases of a decode step. A thread that has
+// per operation costs several, which adds up over the 150-200 phases of a decode step. A thread that has
 // spun for 0.1 ms (far longer than threads in step drift apart) sleeps on a futex instead: the thread
 // it waits for has lost its core (to the server's event loop, or a kernel thread), and an idle core
 // lets the scheduler move it there.
@@ -1939,7 +1939,7 @@ class FusedDecoder {
 
   // Runs body on a team of `threads` (run_team). Where one thread spent most of the region waiting at
   // barriers in kLagRun calls in a row, another process holds a team thread's core, and every one of a
-  // step's hundreds of barriers waits for the scheduler to give that thread its core back. The next
+  // step's 150-200 barriers waits for the scheduler to give that thread its core back. The next
   // kSoloCalls calls then run on one thread, which has no barrier to wait at and which the OS runs on
   // whichever core is free (decode is bound by memory bandwidth, so one core keeps well over half of two
   // cores' speed); after them the whole team is tried again. One lagging call alone is no sign: a
@@ -2550,14 +2550,6 @@ class FusedDecoder {
   static c10::optional<torch::Tensor> row_of(const torch::Tensor& t, int64_t e = -1) {
     if (!t.defined()) return c10::nullopt;
     return e < 0 ? t : t[e];
-  }
-
-  // Request b's row of `branch` (an attention or MLP output) normed in place by `norm` where there is one,
-  // then added to its residual row.
-  void into_residual(T* branch, const c10::optional<torch::Tensor>& norm, T* xp, int64_t b) const {
-    T* row = branch + b * hidden_;
-    if (norm) rms_norm_rows(row, data(*norm), row, 1, hidden_, eps_, norm_offset_, norm_in_float_);
-    add_into(xp + b * hidden_, row, hidden_);
   }
 
   // A shard's rows [B, hidden] of a row-parallel projection (o, down) := their sum over the group, by
