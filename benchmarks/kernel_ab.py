@@ -4,12 +4,13 @@ another), alternating the two builds round after round.
     python benchmarks/kernel_ab.py --base HEAD~1 [--contexts 200,1500] [--seconds 120]
     python benchmarks/kernel_ab.py --base HEAD~1 --workload generate [--seconds 300]
     python benchmarks/kernel_ab.py --base HEAD~1 --model FILE.gguf
+    python benchmarks/kernel_ab.py --base HEAD~1 --batch 4 [--contexts 32,700]
 
 Builds the working tree's tokenmill/kernels/cpu_kernels.cpp and the one at git revision BASE (with that
 revision's headers). Each round probes the memory bandwidth, then runs every case with each build in
 random order:
-- forward (default): a real batch-1 decode step captured at each context, the fused decoder's forward
-  alone (the median of 3 passes);
+- forward (default): a real decode step of `--batch` requests (1 unless given) captured at each
+  context, the fused decoder's forward alone (the median of 3 passes);
 - generate: a whole greedy generation of 128 tokens after a 128-token prompt through the engine
   (decode in bursts), timed less the same prompt's first token, 128 tokens either way (a build whose
   sums are rounded in another order may choose other tokens: it says so).
@@ -38,16 +39,19 @@ from tokenmill import LLM, SamplingParams  # noqa: E402
 FAST_GBPS = 45.0  # probe readings above this: the memory's fast state
 
 
-def capture_step(llm: LLM, context: int):
-    """The model inputs of a real decode step at the given context length (decode steps reach the model
-    through forward, or decode_logits where the logits come from the same call)."""
+def capture_step(llm: LLM, context: int, batch: int = 1):
+    """The model inputs of a real decode step of `batch` requests at the given context length (decode steps
+    reach the model through forward, or decode_logits where the logits come from the same call)."""
     engine, model = llm.engine, llm.engine.model
     captured = {}
     real = {name: getattr(model, name) for name in ("forward", "decode_logits")}
 
     def spy(name):
         def call(ids, pos, kv, meta):
-            if meta.decode_block_tables is not None:
+            # a step of decode rows only, the widest seen (requests whose prompts came in later steps
+            # decode alone at first, and the first to finish leave the last steps narrower)
+            if (meta.decode_block_tables is not None and len(ids) == len(meta.decode_block_tables)
+                    and len(ids) >= len(captured.get("ids", ()))):
                 captured.update(ids=ids, pos=pos, meta=meta)
             return real[name](ids, pos, kv, meta)
         return call
@@ -55,8 +59,11 @@ def capture_step(llm: LLM, context: int):
     for name in real:
         setattr(model, name, spy(name))
     try:
-        engine.add_request(None, [(1000 + 7 * j) % engine.vocab_size for j in range(context - 2)],
-                           SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        # (several long prompts take more than one step's token budget: tokens enough for all to decode together)
+        tokens = 3 if batch == 1 else 16
+        for b in range(batch):
+            engine.add_request(None, [(1000 + 7 * j + 13 * b) % engine.vocab_size for j in range(context - tokens + 1)],
+                               SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
     finally:
@@ -92,11 +99,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--workload", choices=["forward", "generate"], default="forward")
     ap.add_argument("--model", default=None, help="a GGUF file, HF folder or known name (default: the built-in model)")
+    ap.add_argument("--batch", type=int, default=1, help="requests in the captured decode step (forward)")
     args = ap.parse_args()
     llm = LLM(args.model, dtype="bfloat16", max_model_len=4096,
               num_scheduler_steps=1 if args.workload == "forward" else 8)
     if args.workload == "forward":
-        cases = {f"context {c}": forward_case(llm, c) for c in map(int, args.contexts.split(","))}
+        cases = {f"context {c}" + (f", batch {args.batch}" if args.batch > 1 else ""): forward_case(llm, c, args.batch)
+                 for c in map(int, args.contexts.split(","))}
     else:
         cases = {"generate 128 tokens": generate_case(llm)}
     decoders = decoders_at(args.base, llm)
@@ -126,9 +135,10 @@ def main() -> None:
                   f"new/base {ratio:.3f} (median of per-round ratios)")
 
 
-def forward_case(llm: LLM, context: int):
+def forward_case(llm: LLM, context: int, batch: int = 1):
     """Times the fused forward of a real decode step at the given context (the median of 3 passes)."""
-    s = capture_step(llm, context)
+    s = capture_step(llm, context, batch)
+    assert len(s["ids"]) == batch, "the captured step holds another number of requests"
 
     def run(decoder) -> float:
         times = []

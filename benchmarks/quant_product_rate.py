@@ -6,6 +6,12 @@ M input rows at once (a batched decode step's GEMV, up to the row count where AM
 
     python benchmarks/quant_product_rate.py FILE.gguf TENSOR [--rows N] [--inputs M] [--threads 1,2]
     python benchmarks/quant_product_rate.py M/model-Q4_K_M.gguf blk.0.ffn_gate.weight
+    python benchmarks/quant_product_rate.py FILE.gguf TENSOR --base REV [--inputs 1,4,8] [--seconds 10]
+
+With --base, the kernels as they were at git revision REV and the working tree's, built for this CPU and
+loaded side by side in this process, each product timed with one and then the other in random order for
+--seconds per input-row count (one thread): the median of the per-round ratios, new over base. The two
+builds must give the same bits (checked).
 """
 
 from __future__ import annotations
@@ -20,9 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main() -> None:
-    import numpy as np
     import torch
-    from gguf import GGUFReader
 
     from tokenmill.kernels import quant
 
@@ -30,16 +34,17 @@ def main() -> None:
     ap.add_argument("file")
     ap.add_argument("tensor")
     ap.add_argument("--rows", type=int, default=None)
-    ap.add_argument("--inputs", type=int, default=1)
+    ap.add_argument("--inputs", default="1", help="input rows (with --base: a comma-separated list)")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--base", default=None, help="git revision of the kernels to compare against (in-process A/B)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="with --base: seconds of rounds per input-row count")
     args = ap.parse_args()
     quant.load()
-    t = next(t for t in GGUFReader(args.file).tensors if t.name == args.tensor)
-    n, k = int(t.shape[1]), int(t.shape[0])
-    rows = min(args.rows or n, n)
-    blocks = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(n, -1)[:rows].clone()
-    w = quant.QuantizedWeight.from_blocks(int(t.tensor_type), (rows, k), blocks)
-    x = torch.randn(args.inputs, k).bfloat16()
+    if args.base:
+        return compare(args)
+    w = load_tensor(args.file, args.tensor, args.rows)
+    rows, k = w.shape
+    x = torch.randn(int(args.inputs), k).bfloat16()
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for _ in range(20):
@@ -53,6 +58,71 @@ def main() -> None:
         best = statistics.median(times)
         print(f"{w.name} {rows} x {k}, {args.inputs} input row(s), {threads} thread(s): {best * 1e6:.0f} us a product, "
               f"{w.nbytes / best / 1e9:.1f} GB/s")
+
+
+def load_tensor(path: str, name: str, rows: int | None):
+    """The tensor's repacked weight (its first `rows` rows, or all), as tokenmill loads it."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+    from tokenmill.kernels import quant
+
+    t = next(t for t in GGUFReader(path).tensors if t.name == name)
+    n, k = int(t.shape[1]), int(t.shape[0])
+    rows = min(rows or n, n)
+    blocks = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(n, -1)[:rows].clone()
+    return quant.QuantizedWeight.from_blocks(int(t.tensor_type), (rows, k), blocks)
+
+
+def compare(args) -> None:
+    """--base: the product with the base revision's kernels and the working tree's, alternated in-process."""
+    import random
+    import subprocess
+    import tempfile
+
+    import torch
+
+    from tokenmill.kernels import quant
+
+    new = quant.load()
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    base_dir = tempfile.mkdtemp()
+    for path in quant._SOURCES:
+        name = os.path.basename(path)
+        source = subprocess.run(["git", "show", f"{args.base}:tokenmill/kernels/{name}"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout
+        with open(os.path.join(base_dir, name), "w") as f:
+            f.write(source)
+    sources = quant._SOURCES
+    quant._SOURCES = [os.path.join(base_dir, os.path.basename(p)) for p in sources]
+    try:
+        base = quant.build()
+    finally:
+        quant._SOURCES = sources
+    torch.set_num_threads(1)
+    w = load_tensor(args.file, args.tensor, args.rows)
+    k = w.shape[1]
+    for m in (int(v) for v in str(args.inputs).split(",")):
+        x = torch.randn(m, k)
+        assert torch.equal(base.qmatmul(x, w.data, w.qtype, k), new.qmatmul(x, w.data, w.qtype, k)), "the builds differ"
+
+        def run(module) -> float:
+            start = time.perf_counter()
+            for _ in range(20):
+                module.qmatmul(x, w.data, w.qtype, k)
+            return (time.perf_counter() - start) / 20
+
+        for _ in range(5):
+            run(base), run(new)
+        times = {"base": [], "new": []}
+        end = time.time() + args.seconds
+        while time.time() < end:
+            for name in random.sample(["base", "new"], 2):
+                times[name].append(run(base if name == "base" else new))
+        ratio = statistics.median(b / a for a, b in zip(times["base"], times["new"]))
+        print(f"{w.name} {w.shape[0]} x {k}, {m} input row(s), 1 thread: base {statistics.median(times['base']) * 1e6:.1f} us, "
+              f"new {statistics.median(times['new']) * 1e6:.1f} us, new/base {ratio:.3f} ({len(times['base'])} rounds)")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,26 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it(kernels, qtype):
             assert torch.equal(w.matmul(x[:m]), alone[:m]), (k, m)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_weight_row_s_product_does_not_depend_on_the_weight_rows_beside_it(kernels, qtype):
+    """Weight rows are multiplied two at a time where the kernel can (the pair shares the inputs' loads):
+    each row's products are those of the row alone, whichever row it is paired with, or none. A thread's
+    share of a matrix, which decides the pairs, then changes no bits."""
+    rng = np.random.default_rng(int(qtype) + 11)
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    for k in ((288, 640, 1120) if block == 32 else (512, 768)):
+        data = random_blocks(qtype, 11, k, rng)
+        for m in sorted({1, 3, min(6, kernels.float_rows() - 1)}):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            whole = quant.QuantizedWeight.from_blocks(int(qtype), (11, k), torch.from_numpy(data)).matmul(x)
+            for start in (1, 2):  # every row paired with another neighbour, the last alone or not
+                part = quant.QuantizedWeight.from_blocks(int(qtype), (11 - start, k), torch.from_numpy(data[start:]))
+                assert torch.equal(part.matmul(x), whole[:, start:]), (k, m, start)
+            for i in (0, 5, 10):
+                alone = quant.QuantizedWeight.from_blocks(int(qtype), (1, k), torch.from_numpy(data[i:i + 1]))
+                assert torch.equal(alone.matmul(x)[:, 0], whole[:, i]), (k, m, i)
+
+
 def test_bfloat16_rows_below_the_float_path_take_int8_inputs(kernels):
     """bfloat16 inputs just below float_rows(bfloat16=True) rows (on AMX's int8 tiles where the CPU has them,
     from 16 rows) give the exact product of their int8-rounded values, as float32 inputs do."""

@@ -1218,18 +1218,34 @@ struct Walks {
   }
 };
 
-// Rows [n0, n1) (of the part) of y [M, N] = x W^T (+ bias) for a block-format part: each weight row once,
-// against up to kRowGroup quantized input rows at a time.
+// Rows [n0, n1) of y [M, N] = x W^T (+ bias) for a block-format part: each weight row once, against up to
+// kRowGroup quantized input rows at a time; two weight rows at a time where the format pairs them
+// (tmq::pairs_rows: their products share the inputs' loads, and are those of each row alone).
 template <typename T>
 void quant_rows(const MatrixPart& p, const tmq::QRow* xq, int64_t M, int64_t K, int64_t n0, int64_t n1, const T* bias,
                 T* y, int64_t N, bool accumulate, Walks& walks) {
-  float out[tmq::kRowGroup];
-  for (int64_t n = n0; n < n1; ++n) {
+  constexpr int G = tmq::kRowGroup;
+  float out[2 * G];
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.data);
+  int64_t n = n0;
+  if (tmq::pairs_rows((int)p.type)) {
+    for (; n + 1 < n1; n += 2) {
+      walks.read(2 * p.row_bytes, M);
+      for (int64_t m0 = 0; m0 < M; m0 += G) {
+        const int g = (int)std::min<int64_t>(G, M - m0);
+        tmq::dot_rows2((int)p.type, w + n * p.row_bytes, w + (n + 1) * p.row_bytes, xq + m0, g, K, out);
+        for (int r = 0; r < g; ++r) {
+          put(y + (m0 + r) * N + n, out[r], bias, n, accumulate);
+          put(y + (m0 + r) * N + n + 1, out[G + r], bias, n + 1, accumulate);
+        }
+      }
+    }
+  }
+  for (; n < n1; ++n) {
     walks.read(p.row_bytes, M);
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(p.data) + n * p.row_bytes;
-    for (int64_t m0 = 0; m0 < M; m0 += tmq::kRowGroup) {
-      const int g = (int)std::min<int64_t>(tmq::kRowGroup, M - m0);
-      tmq::dot_rows((int)p.type, row, xq + m0, g, K, out);
+    for (int64_t m0 = 0; m0 < M; m0 += G) {
+      const int g = (int)std::min<int64_t>(G, M - m0);
+      tmq::dot_rows((int)p.type, w + n * p.row_bytes, xq + m0, g, K, out);
       for (int r = 0; r < g; ++r) put(y + (m0 + r) * N + n, out[r], bias, n, accumulate);
     }
   }

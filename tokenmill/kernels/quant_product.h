@@ -223,14 +223,24 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   const int64_t ahead_rows = std::max<int64_t>(2, (kAheadBytes + row_bytes - 1) / row_bytes);
   for_tiles((N + tile - 1) / tile, [&](int64_t t) {
     const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-    float out[kRowGroup];
+    float out[2 * kRowGroup];
+    auto prefetch = [&](int64_t a) {
+      if (a >= n1) return;
+      const char* ahead = (const char*)(w + a * row_bytes);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+    };
     for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
       const int g = (int)std::min<int64_t>(kRowGroup, M - m0);
-      for (int64_t n = n0; n < n1; ++n) {
-        if (n + ahead_rows < n1) {
-          const char* ahead = (const char*)(w + (n + ahead_rows) * row_bytes);
-          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+      int64_t n = n0;
+      if (pairs_rows(type)) {  // two weight rows at a time (dot_rows2), then the last one alone
+        for (; n + 1 < n1; n += 2) {
+          prefetch(n + ahead_rows), prefetch(n + ahead_rows + 1);
+          dot_rows2(type, w + n * row_bytes, w + (n + 1) * row_bytes, rows.data() + m0, g, K, out);
+          for (int r = 0; r < g; ++r) yp[(m0 + r) * ldy + n] = out[r], yp[(m0 + r) * ldy + n + 1] = out[kRowGroup + r];
         }
+      }
+      for (; n < n1; ++n) {
+        prefetch(n + ahead_rows);
         dot_rows(type, w + n * row_bytes, rows.data() + m0, g, K, out);
         for (int r = 0; r < g; ++r) yp[(m0 + r) * ldy + n] = out[r];
       }
