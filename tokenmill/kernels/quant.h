@@ -967,6 +967,25 @@ inline void dot_q8_0(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], acc2[r]);
 }
 
+// Two weight rows' pieces of the pair kernels below. A whole group's int32 sums a[v][r] converted and scaled
+// by the blocks' weight and input scales into acc[v][r] (the scales multiplied here: held through the group's
+// products, they would take registers the products need).
+template <int R>
+TM_INLINE void add_group_pair(__m512 (&acc)[2][R], const __m512i (&a)[2][R], const __m512 (&dv)[2], const QRow* x, int64_t g) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 xd = _mm512_loadu_ps(x[r].d + g);
+    for (int v = 0; v < 2; ++v) acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[v][r]), _mm512_mul_ps(dv[v], xd), acc[v][r]);
+  }
+}
+// The scales of a row's last blocks (the lanes of `mask`): weight row v's times input row r's.
+template <int R>
+TM_INLINE void scales_pair(__m512 (&scale)[2][R], const __m512 (&dv)[2], const QRow* x, int64_t g, __mmask16 mask) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 xd = _mm512_maskz_loadu_ps(mask, x[r].d + g);
+    for (int v = 0; v < 2; ++v) scale[v][r] = _mm512_mul_ps(dv[v], xd);
+  }
+}
+
 // Q8_0, two weight rows (rows[0], rows[1]) against R input rows at once: out[r] for the first, out[R + r] for
 // the second, each exactly as dot_q8_0 gives it (the same operations in the same order, the integer sums
 // exact however they are chained), with one load of each input vector for both rows.
@@ -1013,18 +1032,11 @@ inline void dot_q8_0_pair(const uint8_t* const* rows, const QRow* x, int64_t K, 
           for (int v = 0; v < 2; ++v) a[v][r] = product(product(a[v][r], w0[v], x0), w1[v], x1);
         }
       }
-      for (int r = 0; r < R; ++r) {  // (the scales multiplied here, not held through the loop above)
-        const __m512 xd = _mm512_loadu_ps(x[r].d + g);
-        for (int v = 0; v < 2; ++v)
-          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[v][r]), _mm512_mul_ps(dv[v], xd), acc[v][r]);
-      }
+      add_group_pair<R>(acc, a, dv, x, g);
       continue;
     }
     __m512 scale[2][R];
-    for (int r = 0; r < R; ++r) {
-      const __m512 xd = _mm512_maskz_loadu_ps(mask, x[r].d + g);
-      for (int v = 0; v < 2; ++v) scale[v][r] = _mm512_mul_ps(dv[v], xd);
-    }
+    scales_pair<R>(scale, dv, x, g, mask);
     for (int k = 0; 2 * k < n; ++k) {  // the row's last blocks, in block order: two (or the last one) a vector
       const __mmask16 lanes = 2 * k + 1 < n ? 0xFFFF : 0x00FF;
       __m512i wv[2];
@@ -1163,18 +1175,11 @@ inline void dot_q4_01_pair(const uint8_t* const* rows, const QRow* x, int64_t K,
           for (int v = 0; v < 2; ++v) a[v][r] = dot4_add(dot4_add(a[v][r], lo[v], xl), hi[v], xh);
         }
       }
-      for (int r = 0; r < R; ++r) {  // (the scales multiplied here, not held through the loop above)
-        const __m512 xd = _mm512_loadu_ps(x[r].d + g);
-        for (int v = 0; v < 2; ++v)
-          acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[v][r]), _mm512_mul_ps(dv[v], xd), acc[v][r]);
-      }
+      add_group_pair<R>(acc, a, dv, x, g);
       continue;
     }
     __m512 scale[2][R];
-    for (int r = 0; r < R; ++r) {
-      const __m512 xd = _mm512_maskz_loadu_ps(mask, x[r].d + g);
-      for (int v = 0; v < 2; ++v) scale[v][r] = _mm512_mul_ps(dv[v], xd);
-    }
+    scales_pair<R>(scale, dv, x, g, mask);
     for (int k = 0; 2 * k < n; ++k) {  // the row's last blocks, in block order: two (or the last one) a vector
       const bool pair = 2 * k + 1 < n;
       __m512i wv[2];
