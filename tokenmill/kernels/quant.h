@@ -1478,8 +1478,9 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
 
 // Whether the kernels take two weight rows of this format in one pass (dot_rows2): the AVX-512 ones of Q8_0,
 // Q4_0 and Q4_1, which then share the inputs' loads between the rows. The other formats are better taken
-// one row after the other. (Q5_0 in one pass, written as Q4_0's with its fifth bits' byte masks, was
-// measured slower on Zen 4: 1.2-1.6x the time of one row after the other.)
+// one row after the other. (Q5_0 in one pass, written as Q4_0's with its fifth bits' byte masks, took
+// 1.2-1.6x the time of one row after the other on Zen 4, in a first build whose loop also slowed the
+// one-row kernels by 5-13%; it was not tried again.)
 inline bool pairs_rows(int type) {
 #if defined(TM_QUANT_AVX512) && !defined(TM_QUANT_AVX2)
   return type == Q8_0 || type == Q4_0 || type == Q4_1;
