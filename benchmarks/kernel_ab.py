@@ -72,17 +72,24 @@ def capture_step(llm: LLM, context: int, batch: int = 1):
     return captured
 
 
-def decoders_at(base: str, llm: LLM) -> dict:
-    """The engine's fused decoder twice, {"base": ..., "new": ...}: from the CPU kernels as they were at git
-    revision `base` and from the working tree's, each built for this CPU, on the engine's own weights and
-    KV cache. The working tree's build is the kernel module in force afterwards."""
+def kernel_sources_at(base: str, names) -> str:
+    """A new folder holding the files `names` of tokenmill/kernels as they were at git revision `base` (a
+    source built from there finds its headers beside it, before the working tree's)."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     base_dir = tempfile.mkdtemp()
-    for name in ("cpu_kernels.cpp", *map(os.path.basename, cpu_kernels._HEADERS)):  # headers beside it win
+    for name in names:
         source = subprocess.run(["git", "show", f"{base}:tokenmill/kernels/{name}"], cwd=root,
                                 capture_output=True, text=True, check=True).stdout
         with open(os.path.join(base_dir, name), "w") as f:
             f.write(source)
+    return base_dir
+
+
+def decoders_at(base: str, llm: LLM) -> dict:
+    """The engine's fused decoder twice, {"base": ..., "new": ...}: from the CPU kernels as they were at git
+    revision `base` and from the working tree's, each built for this CPU, on the engine's own weights and
+    KV cache. The working tree's build is the kernel module in force afterwards."""
+    base_dir = kernel_sources_at(base, ("cpu_kernels.cpp", *map(os.path.basename, cpu_kernels._HEADERS)))
     base_file = os.path.join(base_dir, "cpu_kernels.cpp")
     runner = llm.engine.runner
     decoders = {}

@@ -78,22 +78,14 @@ def load_tensor(path: str, name: str, rows: int | None):
 def compare(args) -> None:
     """--base: the product with the base revision's kernels and the working tree's, alternated in-process."""
     import random
-    import subprocess
-    import tempfile
 
     import torch
+    from kernel_ab import kernel_sources_at
 
     from tokenmill.kernels import quant
 
     new = quant.load()
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    base_dir = tempfile.mkdtemp()
-    for path in quant._SOURCES:
-        name = os.path.basename(path)
-        source = subprocess.run(["git", "show", f"{args.base}:tokenmill/kernels/{name}"], cwd=root,
-                                capture_output=True, text=True, check=True).stdout
-        with open(os.path.join(base_dir, name), "w") as f:
-            f.write(source)
+    base_dir = kernel_sources_at(args.base, [os.path.basename(p) for p in quant._SOURCES])
     sources = quant._SOURCES
     quant._SOURCES = [os.path.join(base_dir, os.path.basename(p)) for p in sources]
     try:
