@@ -277,6 +277,10 @@ void gemv_block(const T* x, int64_t rows, const T* w, int64_t K, int64_t n0, int
 }
 
 constexpr int64_t kMaxGemvRows = 8;  // more rows re-read the weights: torch's GEMM is better there
+// A decode step's requests in one parallel region where every weight is in a block format (FusedDecoder's
+// team_rows). Past it, a step is bound by its byte products' arithmetic, and goes product by product
+// (forward_batched), each spread over the threads as a prompt chunk's.
+constexpr int64_t kMaxTeamRows = 16;
 
 // Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxGemvRows, K a multiple of a
 // cache line's elements, with the thread's weight stream walked by `far` and `near` (only `near` for one row).
@@ -1251,8 +1255,9 @@ void quant_rows(const MatrixPart& p, const tmq::QRow* xq, int64_t M, int64_t K, 
   }
 }
 
-// Rows [n0, n1) of y [M, N] = x [M, K] W^T (+ bias), M <= kMaxGemvRows, on one thread whose weight stream
-// `walks` follows; xq: x's M rows quantized, where W has block-format parts.
+// Rows [n0, n1) of y [M, N] = x [M, K] W^T (+ bias), M <= kMaxGemvRows (kMaxTeamRows where W has no dense
+// part), on one thread whose weight stream `walks` follows; xq: x's M rows quantized, where W has block-format
+// parts.
 template <typename T>
 void matrix_rows(const Matrix& W, const T* x, const tmq::QRow* xq, int64_t M, int64_t n0, int64_t n1, const T* bias,
                  T* y, bool accumulate, Walks& walks) {
@@ -1619,6 +1624,7 @@ class FusedDecoder {
     cache_slots_ = layers_.empty() ? k_cache.size(0) : std::min(cache_slots_, k_cache.size(0));
     layers_.push_back(std::move(L));
     streams_.clear();
+    team_rows_ = 0;
   }
 
   // The last layer's feed-forward as a mixture of experts (that layer added with empty gate_up and down):
@@ -1679,6 +1685,7 @@ class FusedDecoder {
                         std::any_of(moe->gate_up.begin(), moe->gate_up.end(), [](const Matrix& m) { return m.per256; });
     L.moe = std::move(moe);
     streams_.clear();
+    team_rows_ = 0;
   }
 
   // input_ids, positions [B]: each request's new token and its position; slots [B] the cache slot of
@@ -1938,9 +1945,9 @@ class FusedDecoder {
     }
   };
 
-  // Whether a batch of B requests runs in one parallel region (the GEMV kernel's shapes).
-  bool runs_in_team(int64_t B) const {
-    return B <= kMaxGemvRows && hidden_ % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
+  // Whether a batch of B requests runs in one parallel region (the GEMV kernel's shapes), up to team_rows().
+  bool runs_in_team(int64_t B) {
+    return B <= team_rows() && hidden_ % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
   }
 
   // The threads a parallel region asks for, with their weight streams planned: the team, or one thread
@@ -1978,6 +1985,23 @@ class FusedDecoder {
   std::pair<int, int64_t> last_team_{0, 0};
 
  public:
+  // The most requests a step runs in one parallel region: kMaxTeamRows where every matrix of the layers and
+  // the output layer is in a block format (quant_rows takes any number of input rows, kRowGroup at a time
+  // against each weight row while it is in L1: the weights are still read once a step), kMaxGemvRows where
+  // a dense matrix or a mixture of experts (whose router is dense) takes gemv_rows' at most 8 rows.
+  int64_t team_rows() {
+    if (team_rows_ == 0) {
+      auto blocks = [](const Matrix& m) {
+        return std::none_of(m.parts.begin(), m.parts.end(), [](const MatrixPart& p) { return p.dense(); });
+      };
+      bool wide = blocks(head_);
+      for (const auto& L : layers_)
+        wide = wide && !L.moe && blocks(L.qkv) && blocks(L.o) && blocks(L.gate_up) && blocks(L.down);
+      team_rows_ = wide ? kMaxTeamRows : kMaxGemvRows;
+    }
+    return team_rows_;
+  }
+
   // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
   std::tuple<int64_t, int64_t, int64_t, double> team_stats() const { return {calls_, solo_calls_, lagged_, last_lag_}; }
   // (threads, barrier waits) of the last call that ran in a team ((0, 0) before the first)
@@ -2595,6 +2619,7 @@ class FusedDecoder {
   Matrix embed_, head_;
   std::vector<LayerWeights<T>> layers_;
   std::vector<std::vector<std::vector<Segment>>> streams_;  // [threads][thread]: see plan_streams
+  int64_t team_rows_ = 0;  // team_rows(), 0 until known (a layer added since)
 };
 
 }  // namespace
@@ -2716,6 +2741,7 @@ void bind_decoder(pybind11::module& m, const char* name) {
       .def("interrupt", &D::interrupt)
       .def("clear_interrupt", &D::clear_interrupt)
       .def("team_stats", &D::team_stats)
+      .def("team_rows", &D::team_rows)
       .def("last_team", &D::last_team)
       .def("run_solo", &D::run_solo, pybind11::arg("calls"), pybind11::arg("adaptive") = true)
       .def("note_lag", &D::note_lag)
