@@ -2,13 +2,16 @@
 tok/s at several batch sizes, each checkout in fresh processes, alternated round after round.
 
     python benchmarks/checkout_ab.py --base HEAD~1 [--model FILE.gguf] [--batch 1 4 8] [--tokens 128] [--rounds 4]
+        [--busy]
 
 Checks BASE out into a temporary git worktree (its kernels built in an extensions folder of its own) and
 runs the same child against it and against the working tree: load the model (the default one unless
 --model names another), one warm-up generation, then for each batch size B one generate call of B short
 prompts of --tokens tokens each (ignore_eos), timed whole: output tokens over the wall time, so the short
 prompts' single steps are included. kernel_ab.py compares two builds of the fused decoder over one weight
-layout; this compares anything, at the price of a fresh load per round.
+layout; this compares anything, at the price of a fresh load per round. With --busy, a process spins on
+the last CPU through the timed calls (after the warm-up), as contention.py's does: the rates with one CPU
+taken by another process.
 """
 
 from __future__ import annotations
@@ -23,19 +26,29 @@ import sys
 import tempfile
 
 _CHILD = r"""
-import json, sys, time
+import json, os, subprocess, sys, time
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.hub import pull
 path, batches, tokens = sys.argv[1] or pull(), [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3])
+busy = sys.argv[4] == "1"
 llm = LLM(path, max_num_seqs=max(batches), enable_prefix_caching=False, kv_cache_memory="512MiB")
 prompts = [f"Write a short story number {i} about a cat who" for i in range(max(batches))]
 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+spin = None
+if busy:
+    cpu = max(os.sched_getaffinity(0))
+    spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    time.sleep(0.5)
 rates = {}
-for b in batches:
-    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts[:b], sp)
-    rates[b] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+try:
+    for b in batches:
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(prompts[:b], sp)
+        rates[b] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+finally:
+    if spin is not None:
+        spin.kill()
 print("RESULT " + json.dumps(rates))
 """
 
@@ -47,6 +60,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--busy", action="store_true", help="a process spinning on one CPU through the timed calls")
     args = p.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scratch = tempfile.mkdtemp(prefix="tokenmill-ab-")
@@ -61,7 +75,8 @@ def main() -> None:
                 env = dict(os.environ, PYTHONPATH=trees[name],
                            TORCH_EXTENSIONS_DIR=os.path.join(scratch, "ext-" + name.replace(" ", "-")))
                 out = subprocess.run([sys.executable, "-c", _CHILD, args.model, ",".join(map(str, args.batch)),
-                                      str(args.tokens)], cwd=trees[name], env=env, capture_output=True, text=True)
+                                      str(args.tokens), "1" if args.busy else "0"], cwd=trees[name], env=env,
+                                     capture_output=True, text=True)
                 line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if line is None:
                     sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")

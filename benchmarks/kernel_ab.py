@@ -4,7 +4,7 @@ another), alternating the two builds round after round.
     python benchmarks/kernel_ab.py --base HEAD~1 [--contexts 200,1500] [--seconds 120]
     python benchmarks/kernel_ab.py --base HEAD~1 --workload generate [--seconds 300]
     python benchmarks/kernel_ab.py --base HEAD~1 --model FILE.gguf
-    python benchmarks/kernel_ab.py --base HEAD~1 --batch 4 [--contexts 32,700]
+    python benchmarks/kernel_ab.py --base HEAD~1 --batch 4 [--contexts 32,700] [--quantization none]
 
 Builds the working tree's tokenmill/kernels/cpu_kernels.cpp and the one at git revision BASE (with that
 revision's headers). Each round probes the memory bandwidth, then runs every case with each build in
@@ -107,8 +107,9 @@ def main() -> None:
     ap.add_argument("--workload", choices=["forward", "generate"], default="forward")
     ap.add_argument("--model", default=None, help="a GGUF file, HF folder or known name (default: the built-in model)")
     ap.add_argument("--batch", type=int, default=1, help="requests in the captured decode step (forward)")
+    ap.add_argument("--quantization", default="auto", help="none: a quantized file's weights dequantized (dense bf16)")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=4096,
+    llm = LLM(args.model, dtype="bfloat16", max_model_len=4096, quantization=args.quantization,
               num_scheduler_steps=1 if args.workload == "forward" else 8)
     if args.workload == "forward":
         cases = {f"context {c}" + (f", batch {args.batch}" if args.batch > 1 else ""): forward_case(llm, c, args.batch)

@@ -40,7 +40,7 @@ def _llm(folder, steps, **kw):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, torch's GEMM
+@pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, two groups a weight tile
 def test_bursts_choose_transformers_greedy_tokens(tiny_models, arch, num_requests):
     """Tokens from bursts are the ones single steps choose, and each is transformers' (float32) greedy
     choice up to bf16 rounding, teacher-forced on our own tokens."""

@@ -103,8 +103,9 @@ def test_parallel_samples_share_prompt_blocks(tiny_models):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-# Fused decode steps of up to 8 requests run in one parallel region (1 row: the one-row GEMV; 3: the
-# blocked one); larger batches take torch's GEMM inside the fused step.
+# Fused decode steps of up to 16 requests run in one parallel region (1 row: the one-row GEMV; 3: the
+# blocked one; 11: two groups of rows over each tile of weight rows), of up to 8 with a mixture of experts
+# (11: operation by operation inside the fused step, torch's GEMM for dense weights).
 @pytest.mark.parametrize("fused,num_requests", [(True, 1), (True, 3), (True, 11), (False, 11)],
                          ids=["fused-1", "fused-3", "fused-11", "modules-11"])
 def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_requests):
@@ -151,7 +152,8 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
     assert sum(gaps) / len(gaps) < mean_gap and max(gaps) < 2 * worst, (sum(gaps) / len(gaps), max(gaps))
 
 
-@pytest.mark.parametrize("num_requests", [1, 3, 11])  # one-row GEMV, blocked GEMV, torch's GEMM
+# one-row GEMV, blocked GEMV, two groups of rows a tile of weight rows, operation by operation (torch's GEMM)
+@pytest.mark.parametrize("num_requests", [1, 3, 11, 17])
 def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_requests):
     """Decode steps that sample take their logits from the fused decoder's one call (the layers and the
     output layer together): the same tokens and logprobs, seeded, as the hidden states through the
@@ -173,3 +175,49 @@ def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_reque
         results.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
                         for o in outs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("arch,rows", [("llama", 16), ("mixtral", 8)])
+def test_decode_steps_of_up_to_16_requests_run_in_one_parallel_region(tiny_models, arch, rows):
+    """Past 8 requests a decode step still reads each weight once, in one parallel region (the team): the
+    dense GEMV passes groups of input rows over tiles of weight rows, the block formats' products take
+    their rows in groups already. Mixtures of experts stay at 8. Twelve requests decoding together: team
+    regions counted for the dense model, none for the mixture (its step goes operation by operation)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU decode kernels do not run here")
+    llm = LLM(tiny_models[arch], dtype="bfloat16", seed=0, kv_cache_memory=1 << 22)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)  # builds the decoder
+    decoder = llm.engine.model._fused[1]
+    assert decoder.team_rows() == rows
+    before = decoder.team_stats()[0]
+    llm.generate([[(11 * i + j) % 200 + 3 for j in range(9)] for i in range(12)], params, use_tqdm=False)
+    regions = decoder.team_stats()[0] - before
+    assert (regions > 0) == (rows >= 12), regions
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_request_s_logits_in_a_step_of_12_are_those_it_gets_alone(tiny_models, arch):
+    """Each request's logits from a fused decode step of 12 (two groups of input rows over each tile of
+    weight rows) are the bits that request gets in a step of its own (the one-row GEMV): a row's sums do
+    not depend on the rows beside it."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU decode kernels do not run here")
+    llm = LLM(tiny_models[arch], dtype="bfloat16", seed=0, kv_cache_memory=1 << 22)
+    model = llm.engine.model
+    own, seen = model.decode_logits, []
+
+    def spy(ids, pos, kv, meta):
+        decoder = model._fused_decoder(kv, meta)
+        if decoder is not None and len(ids) == 12 and not seen:
+            args = (ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens)
+            seen.append(torch.cat([decoder.logits(*(a[b:b + 1] for a in args)) for b in range(12)]))
+            seen.append(decoder.logits(*args))
+        return own(ids, pos, kv, meta)
+
+    model.decode_logits = spy
+    params = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=1)
+    llm.generate([[(11 * i + j) % 200 + 3 for j in range(9 + i)] for i in range(12)], params, use_tqdm=False)
+    assert seen, "no decode step of 12 requests ran fused"
+    alone, together = seen
+    assert torch.equal(alone, together)

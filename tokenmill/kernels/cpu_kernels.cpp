@@ -276,14 +276,18 @@ void gemv_block(const T* x, int64_t rows, const T* w, int64_t K, int64_t n0, int
   }
 }
 
-constexpr int64_t kMaxGemvRows = 8;  // more rows re-read the weights: torch's GEMM is better there
-// A decode step's requests in one parallel region where every weight is in a block format (FusedDecoder's
-// team_rows). Past it, a step is bound by its byte products' arithmetic, and goes product by product
-// (forward_batched), each spread over the threads as a prompt chunk's.
+constexpr int64_t kMaxGemvRows = 8;  // input rows of one pass over the weights (gemv_block's accumulators)
+// A decode step's requests in one parallel region (FusedDecoder's team_rows): past kMaxGemvRows, each tile
+// of weight rows is passed over by every group of input rows while it is in cache (gemv_rows; quant_rows
+// takes block formats kRowGroup rows at a time the same way). Past this, the step goes product by product
+// (forward_batched), each spread over the threads as a prompt chunk's, through torch's GEMM where dense.
 constexpr int64_t kMaxTeamRows = 16;
+constexpr int64_t kGemvTileBytes = 16384;  // the weight rows every group of input rows passes over in turn
 
-// Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxGemvRows, K a multiple of a
+// Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxTeamRows, K a multiple of a
 // cache line's elements, with the thread's weight stream walked by `far` and `near` (only `near` for one row).
+// Each (input row, weight row) sum is the same however many input rows there are (one accumulator, line
+// after line).
 template <typename T>
 void gemv_rows(const T* x, int64_t M, const T* w, int64_t K, int64_t N, int64_t n0, int64_t n1, const T* bias, T* y,
                bool accumulate, FarAhead& far, NearAhead& near) {
@@ -293,8 +297,22 @@ void gemv_rows(const T* x, int64_t M, const T* w, int64_t K, int64_t N, int64_t 
     gemv_block<2, 4>(x, M, w, K, n0, n1, bias, y, N, accumulate, far, near);
   } else if (M <= 4) {
     gemv_block<4, 4>(x, M, w, K, n0, n1, bias, y, N, accumulate, far, near);
-  } else {
+  } else if (M <= kMaxGemvRows) {
     gemv_block<8, 2>(x, M, w, K, n0, n1, bias, y, N, accumulate, far, near);
+  } else {
+    // Tiles of weight rows, each read from memory by the first group of input rows (which walks the stream)
+    // and from cache by the others; groups of even size (9 rows: 5 and 4), as each pass over a tile costs
+    // its loads whatever rows it carries.
+    const int64_t tile = std::max<int64_t>(2, kGemvTileBytes / (K * (int64_t)sizeof(T)) / 2 * 2);
+    const int64_t groups = (M + kMaxGemvRows - 1) / kMaxGemvRows, per = (M + groups - 1) / groups;
+    FarAhead no_far;
+    NearAhead no_near;
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += per)
+        gemv_block<8, 2>(x + m0 * K, std::min(per, M - m0), w, K, t0, t1, bias, y + m0 * N, N, accumulate,
+                         m0 ? no_far : far, m0 ? no_near : near);
+    }
   }
 }
 
@@ -1255,9 +1273,8 @@ void quant_rows(const MatrixPart& p, const tmq::QRow* xq, int64_t M, int64_t K, 
   }
 }
 
-// Rows [n0, n1) of y [M, N] = x [M, K] W^T (+ bias), M <= kMaxGemvRows (kMaxTeamRows where W has no dense
-// part), on one thread whose weight stream `walks` follows; xq: x's M rows quantized, where W has block-format
-// parts.
+// Rows [n0, n1) of y [M, N] = x [M, K] W^T (+ bias), M <= kMaxTeamRows, on one thread whose weight stream
+// `walks` follows; xq: x's M rows quantized, where W has block-format parts.
 template <typename T>
 void matrix_rows(const Matrix& W, const T* x, const tmq::QRow* xq, int64_t M, int64_t n0, int64_t n1, const T* bias,
                  T* y, bool accumulate, Walks& walks) {
@@ -1624,7 +1641,6 @@ class FusedDecoder {
     cache_slots_ = layers_.empty() ? k_cache.size(0) : std::min(cache_slots_, k_cache.size(0));
     layers_.push_back(std::move(L));
     streams_.clear();
-    team_rows_ = 0;
   }
 
   // The last layer's feed-forward as a mixture of experts (that layer added with empty gate_up and down):
@@ -1685,7 +1701,6 @@ class FusedDecoder {
                         std::any_of(moe->gate_up.begin(), moe->gate_up.end(), [](const Matrix& m) { return m.per256; });
     L.moe = std::move(moe);
     streams_.clear();
-    team_rows_ = 0;
   }
 
   // input_ids, positions [B]: each request's new token and its position; slots [B] the cache slot of
@@ -1946,7 +1961,7 @@ class FusedDecoder {
   };
 
   // Whether a batch of B requests runs in one parallel region (the GEMV kernel's shapes), up to team_rows().
-  bool runs_in_team(int64_t B) {
+  bool runs_in_team(int64_t B) const {
     return B <= team_rows() && hidden_ % 32 == 0 && (H_ * D_) % 32 == 0 && I_ % 32 == 0;
   }
 
@@ -1985,21 +2000,11 @@ class FusedDecoder {
   std::pair<int, int64_t> last_team_{0, 0};
 
  public:
-  // The most requests a step runs in one parallel region: kMaxTeamRows where every matrix of the layers and
-  // the output layer is in a block format (quant_rows takes any number of input rows, kRowGroup at a time
-  // against each weight row while it is in L1: the weights are still read once a step), kMaxGemvRows where
-  // a dense matrix or a mixture of experts (whose router is dense) takes gemv_rows' at most 8 rows.
-  int64_t team_rows() {
-    if (team_rows_ == 0) {
-      auto blocks = [](const Matrix& m) {
-        return std::none_of(m.parts.begin(), m.parts.end(), [](const MatrixPart& p) { return p.dense(); });
-      };
-      bool wide = blocks(head_);
-      for (const auto& L : layers_)
-        wide = wide && !L.moe && blocks(L.qkv) && blocks(L.o) && blocks(L.gate_up) && blocks(L.down);
-      team_rows_ = wide ? kMaxTeamRows : kMaxGemvRows;
-    }
-    return team_rows_;
+  // The most requests a step runs in one parallel region: kMaxTeamRows (each weight still read once a
+  // step), kMaxGemvRows with a mixture of experts (its tokens' expert groups in one region measured up to 8).
+  int64_t team_rows() const {
+    const bool moe = std::any_of(layers_.begin(), layers_.end(), [](const auto& L) { return (bool)L.moe; });
+    return moe ? kMaxGemvRows : kMaxTeamRows;
   }
 
   // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
@@ -2619,7 +2624,6 @@ class FusedDecoder {
   Matrix embed_, head_;
   std::vector<LayerWeights<T>> layers_;
   std::vector<std::vector<std::vector<Segment>>> streams_;  // [threads][thread]: see plan_streams
-  int64_t team_rows_ = 0;  // team_rows(), 0 until known (a layer added since)
 };
 
 }  // namespace
