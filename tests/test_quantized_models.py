@@ -133,7 +133,7 @@ def test_scheduling_modes_give_the_same_tokens(quantized_files, variant, int8_pr
 
 
 def _decode_runs(path, dtype, fused, prompts):
-    """Greedy tokens for 1, 3, 11 and 17 of the prompts at once, and 3 seeded sampled runs' tokens and
+    """Greedy tokens for 1, 3, 11 and 33 of the prompts at once, and 3 seeded sampled runs' tokens and
     logprobs, with the whole-step decoder on (fused) or off; checks that it ran exactly when on."""
     llm = LLM(path, dtype=dtype, kv_cache_memory="16MiB")
     model = llm.engine.model
@@ -141,7 +141,7 @@ def _decode_runs(path, dtype, fused, prompts):
     used = []
     pick = model._fused_decoder
     model._fused_decoder = lambda *a: used.append(pick(*a)) or used[-1]
-    greedy = [_greedy(llm, prompts[:n], n=10) for n in (1, 3, 11, 17)]
+    greedy = [_greedy(llm, prompts[:n], n=10) for n in (1, 3, 11, 33)]
     outs = llm.generate(prompts[:3], [SamplingParams(max_tokens=8, temperature=0.8, seed=i, logprobs=1, ignore_eos=True)
                                       for i in range(3)], use_tqdm=False)
     assert (sum(f is not None for f in used) > 0) == fused
@@ -155,7 +155,7 @@ def _decode_runs(path, dtype, fused, prompts):
 def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant, dtype, int8_products):
     """The whole-step decoder reads the blocks in place (each format; a merged projection in two formats; an
     output layer tied to a quantized embedding or its own), for one request (one row per pass over the
-    weights), three (rows in groups), eleven (still one pass over the weights) and seventeen (the step
+    weights), three (rows in groups), eleven (still one pass over the weights) and 33 (the step
     operation by operation), in greedy bursts and sampled steps. Reference: the module-by-module path in float32, teacher-forced on the fused path's own
     tokens. Not exact equality, even in float32: both paths round the same activations to int8, but the
     float ops between the products sum in different orders, and an ulp of difference flips an int8
@@ -170,7 +170,7 @@ def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant,
     if cpu_kernels.load() is None:
         pytest.skip("the CPU decode kernels do not run here")
     path = quantized_files[variant]
-    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 2 * i)] for i in range(17)]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 2 * i)] for i in range(33)]
     greedy, sampled = _decode_runs(path, dtype, True, prompts)
     reference = _engine(path)
     reference.engine.model.use_fused_decode = False

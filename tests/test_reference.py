@@ -103,7 +103,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_models):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-# Fused decode steps of up to 16 requests run in one parallel region (1 row: the one-row GEMV; 3: the
+# Fused decode steps of up to 32 requests run in one parallel region (1 row: the one-row GEMV; 3: the
 # blocked one; 11: two groups of rows over each tile of weight rows), of up to 8 with a mixture of experts
 # (11: operation by operation inside the fused step, torch's GEMM for dense weights).
 @pytest.mark.parametrize("fused,num_requests", [(True, 1), (True, 3), (True, 11), (False, 11)],
@@ -153,7 +153,7 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
 
 
 # one-row GEMV, blocked GEMV, two groups of rows a tile of weight rows, operation by operation (torch's GEMM)
-@pytest.mark.parametrize("num_requests", [1, 3, 11, 17])
+@pytest.mark.parametrize("num_requests", [1, 3, 11, 33])
 def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_requests):
     """Decode steps that sample take their logits from the fused decoder's one call (the layers and the
     output layer together): the same tokens and logprobs, seeded, as the hidden states through the
@@ -177,8 +177,8 @@ def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_reque
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("arch,rows", [("llama", 16), ("mixtral", 8)])
-def test_decode_steps_of_up_to_16_requests_run_in_one_parallel_region(tiny_models, arch, rows):
+@pytest.mark.parametrize("arch,rows", [("llama", 32), ("mixtral", 8)])
+def test_decode_steps_past_8_requests_run_in_one_parallel_region(tiny_models, arch, rows):
     """Past 8 requests a decode step still reads each weight once, in one parallel region (the team): the
     dense GEMV passes groups of input rows over tiles of weight rows, the block formats' products take
     their rows in groups already. Mixtures of experts stay at 8. Twelve requests decoding together: team

@@ -280,8 +280,9 @@ constexpr int64_t kMaxGemvRows = 8;  // input rows of one pass over the weights 
 // A decode step's requests in one parallel region (FusedDecoder's team_rows): past kMaxGemvRows, each tile
 // of weight rows is passed over by every group of input rows while it is in cache (gemv_rows; quant_rows
 // takes block formats kRowGroup rows at a time the same way). Past this, the step goes product by product
-// (forward_batched), each spread over the threads as a prompt chunk's, through torch's GEMM where dense.
-constexpr int64_t kMaxTeamRows = 16;
+// (forward_batched), each spread over the threads as a prompt chunk's, through torch's GEMM where dense:
+// at 32 rows the two took about the same time on 2 cores (Zen 4), the team less at 24 and below.
+constexpr int64_t kMaxTeamRows = 32;
 constexpr int64_t kGemvTileBytes = 16384;  // the weight rows every group of input rows passes over in turn
 
 // Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxTeamRows, K a multiple of a
@@ -301,8 +302,8 @@ void gemv_rows(const T* x, int64_t M, const T* w, int64_t K, int64_t N, int64_t 
     gemv_block<8, 2>(x, M, w, K, n0, n1, bias, y, N, accumulate, far, near);
   } else {
     // Tiles of weight rows, each read from memory by the first group of input rows (which walks the stream)
-    // and from cache by the others; groups of even size (9 rows: 5 and 4), as each pass over a tile costs
-    // its loads whatever rows it carries.
+    // and from cache by the others; groups of even size (9 rows: 5 and 4; 17: 6, 6 and 5), as each pass
+    // over a tile costs its loads whatever rows it carries.
     const int64_t tile = std::max<int64_t>(2, kGemvTileBytes / (K * (int64_t)sizeof(T)) / 2 * 2);
     const int64_t groups = (M + kMaxGemvRows - 1) / kMaxGemvRows, per = (M + groups - 1) / groups;
     FarAhead no_far;
