@@ -10,7 +10,7 @@ runs the same child against it and against the working tree: load the model (the
 prompts of --tokens tokens each (ignore_eos), timed whole: output tokens over the wall time, so the short
 prompts' single steps are included. kernel_ab.py compares two builds of the fused decoder over one weight
 layout; this compares anything, at the price of a fresh load per round. With --busy, a process spins on
-the last CPU through the timed calls (after the warm-up), as contention.py's does: the rates with one CPU
+the last CPU through the timed calls (after the warm-up), as in the soak's busy phases: the rates with one CPU
 taken by another process.
 """
 
@@ -26,18 +26,18 @@ import sys
 import tempfile
 
 _CHILD = r"""
-import json, os, subprocess, sys, time
+import json, sys, time
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.soak import _Spinner
 from tokenmill.model.hub import pull
 path, batches, tokens = sys.argv[1] or pull(), [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3])
 busy = sys.argv[4] == "1"
 llm = LLM(path, max_num_seqs=max(batches), enable_prefix_caching=False, kv_cache_memory="512MiB")
 prompts = [f"Write a short story number {i} about a cat who" for i in range(max(batches))]
 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-spin = None
+spin = _Spinner()  # the soak's busy phase: a process pinned to the last CPU
 if busy:
-    cpu = max(os.sched_getaffinity(0))
-    spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    spin.start()
     time.sleep(0.5)
 rates = {}
 try:
@@ -47,8 +47,7 @@ try:
         outs = llm.generate(prompts[:b], sp)
         rates[b] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 finally:
-    if spin is not None:
-        spin.kill()
+    spin.stop()
 print("RESULT " + json.dumps(rates))
 """
 
