@@ -16,6 +16,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import QUANTIZATION
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels import quant
+from tokenmill.memory import release_freed_heap
 from tokenmill.model import arena, gguf_loader
 from tokenmill.model.hub import named_model_at, resolve_model_path
 from tokenmill.model.llama import MissingWeights
@@ -132,7 +133,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     # Rotary tables are not weights: build them on the device, kept in float32 for accuracy.
     model.rotaries = model.make_rotaries(positions).to(device)
     model.eval()
-    _release_freed_memory()
+    release_freed_heap()  # what parsing and repacking the file used and freed (~20 MiB for a 1B GGUF)
     elapsed = time.perf_counter() - start
     qweights = quantized_weights(model)
     n_params = sum(p.numel() for p in model.parameters()) + sum(w.shape[0] * w.shape[1] for w in qweights)
@@ -153,19 +154,6 @@ def _shard(hf_config: dict, tensor_parallel, granule: int = 32):
 
     rank, world, _ = tensor_parallel
     return Shard.of(hf_config, rank, world, granule)
-
-
-def _release_freed_memory() -> None:
-    """Hands the heap pages that loading used and freed (file parsing, repacking) back to the OS: glibc keeps
-    them otherwise, and they count in the server's resident memory for its whole life (~20 MiB for a 1B
-    GGUF). Elsewhere than glibc, nothing."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def quantize_on_load(model: nn.Module, weights, quantization: str):
