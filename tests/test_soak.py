@@ -30,3 +30,24 @@ def test_short_soak_has_no_unexpected_outcome(tiny_models, tmp_path):
     assert kinds["stalled_upload"] == {"expected_4xx": kinds["stalled_upload"]["expected_4xx"]}
     assert set(report["throughput"]) == {"quiet-0", "busy-1"} and all(v > 0 for v in report["throughput"].values())
     assert len(report["samples"]) >= 4 and all(s["rss_mib"] > 0 for s in report["samples"])
+
+
+def test_busy_latency_is_read_against_the_same_quantile_of_quiet_latency():
+    from tokenmill.bench.soak import SoakReport, _compare_phases
+
+    # Quiet latencies spread 10-fold within a kind (short and long answers); busy ones are each 3x slower,
+    # except, in a second kind, one request that waited 40x the slowest quiet one.
+    quiet = {"structured": [0.5 + 0.05 * i for i in range(91)], "complete": [1.0] * 50 + [2.0] * 50}
+    busy = {"structured": [3 * x for x in quiet["structured"]], "complete": [1.0] * 99 + [80.0]}
+    report = SoakReport(model="m", minutes_per_phase=1, concurrency=1)
+    _compare_phases(report, quiet, busy)
+    assert report.quantile_ratios["structured"] == {"p50": 3.0, "p90": 3.0, "p99": 3.0, "max": 3.0}
+    assert report.quantile_ratios["complete"]["max"] == 40.0
+    assert (report.worst_latency_ratio, report.worst_latency_ratio_at) == (40.0, "complete max")
+    # The cruder reading divides by the kind's quiet median (2.75 s and 1.5 s): the longest quiet answer is
+    # already 1.8x it, and the same answer 3x slower 5.5x.
+    assert report.quiet_worst_over_quiet_median == round(5.0 / 2.75, 2)
+    assert report.worst_over_quiet_median == round(80.0 / 1.5, 2)
+    report = SoakReport(model="m", minutes_per_phase=1, concurrency=1)
+    _compare_phases(report, {"structured": quiet["structured"]}, {"structured": busy["structured"]})
+    assert report.worst_over_quiet_median == round(15.0 / 2.75, 2)

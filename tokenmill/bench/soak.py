@@ -33,7 +33,7 @@ import httpx
 
 from tokenmill.bench.datasets import percentiles
 
-# Kinds whose latency is comparable across phases (fixed lengths, ignore_eos) and what each sends.
+# Kinds whose latency is compared across phases (the same mix of requests in each) and what each sends.
 _TIMED_KINDS = ("complete", "chat_stream", "long_prompt", "structured", "slow_reader")
 _WEIGHTS = {"complete": 4, "chat_stream": 4, "long_prompt": 1, "structured": 1, "slow_reader": 1,
             "leave_stream": 1, "leave_whole": 1, "bad": 2, "stalled_upload": 0.3}
@@ -80,7 +80,17 @@ class SoakReport:
     idle_after: bool = False
     idle_state: dict = field(default_factory=dict)
     server_tracebacks: int = 0
-    worst_latency_ratio: float | None = None  # busy latency / the kind's quiet median, the largest seen
+    # Busy against quiet latency, quantile by quantile (p50, p90, p99, max) for each kind: the largest ratio,
+    # and where it was. A request's own quiet latency cannot be observed in the busy phase; the same quantile
+    # of the same kind's quiet latencies stands for it (a kind's latencies spread several-fold even when
+    # quiet: JSON answers end when the object closes, and any request may land behind a burst).
+    worst_latency_ratio: float | None = None
+    worst_latency_ratio_at: str = ""
+    quantile_ratios: dict = field(default_factory=dict)  # kind -> quantile -> busy / quiet
+    # The cruder reading, kept for comparison with earlier runs: the slowest busy request over its kind's
+    # quiet median; and the same for the slowest quiet request, which shows how far the spread alone goes.
+    worst_over_quiet_median: float | None = None
+    quiet_worst_over_quiet_median: float | None = None
 
 
 # ---------------------------------------------------------------------- the server
@@ -425,6 +435,24 @@ def _slope(samples: list[dict], skip_s: float) -> float | None:
     return round(sum((p[0] - mx) * (p[1] - my) for p in pts) / var, 3) if var else None
 
 
+def _compare_phases(report: SoakReport, quiet: dict[str, list[float]], busy: dict[str, list[float]]) -> None:
+    """Fill the report's busy-against-quiet latency ratios (see SoakReport)."""
+    def quantiles(lat):
+        return {k: v for k, v in percentiles(lat).items() if k != "mean"} | {"max": max(lat)}
+
+    worst = (0.0, "")
+    for kind in sorted(set(quiet) & set(busy)):
+        q, b = quantiles(quiet[kind]), quantiles(busy[kind])
+        ratios = report.quantile_ratios[kind] = {name: round(b[name] / q[name], 2) for name in q}
+        name = max(ratios, key=ratios.get)
+        worst = max(worst, (ratios[name], f"{kind} {name}"))
+    if report.quantile_ratios:
+        report.worst_latency_ratio, report.worst_latency_ratio_at = worst
+        median = {kind: percentiles(quiet[kind])["p50"] for kind in report.quantile_ratios}
+        report.worst_over_quiet_median = round(max(max(busy[k]) / median[k] for k in median), 2)
+        report.quiet_worst_over_quiet_median = round(max(max(quiet[k]) / median[k] for k in median), 2)
+
+
 def summarize(load: _Load, report: SoakReport, warm_s: float) -> SoakReport:
     for o in load.results:
         report.outcomes[o.outcome] = report.outcomes.get(o.outcome, 0) + 1
@@ -438,14 +466,12 @@ def summarize(load: _Load, report: SoakReport, warm_s: float) -> SoakReport:
             timed.setdefault(o.phase, {}).setdefault(o.kind, []).append(o.latency)
     report.latency = {phase: {kind: {k: round(v, 3) for k, v in percentiles(lat).items()} | {"n": len(lat)}
                               for kind, lat in kinds.items()} for phase, kinds in timed.items()}
-    quiet = {}
+    quiet: dict[str, list[float]] = {}
+    busy: dict[str, list[float]] = {}
     for phase, kinds in timed.items():
-        if phase.startswith("quiet"):
-            for kind, lat in kinds.items():
-                quiet.setdefault(kind, []).extend(lat)
-    ratios = [lat / percentiles(quiet[kind])["p50"] for phase, kinds in timed.items() if phase.startswith("busy")
-              for kind, lats in kinds.items() if kind in quiet for lat in lats]
-    report.worst_latency_ratio = round(max(ratios), 2) if ratios else None
+        for kind, lat in kinds.items():
+            (quiet if phase.startswith("quiet") else busy).setdefault(kind, []).extend(lat)
+    _compare_phases(report, quiet, busy)
     report.rss_slope_mib_per_min = _slope(report.samples, warm_s)
     return report
 
@@ -462,7 +488,12 @@ def print_report(r: SoakReport) -> None:
                                                      for k, v in sorted(kinds.items())))
     print("  output tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in r.throughput.items()))
     if r.worst_latency_ratio is not None:
-        print(f"  worst busy latency / its kind's quiet median: {r.worst_latency_ratio:.1f}x")
+        print(f"  busy / quiet latency, same kind and quantile: worst {r.worst_latency_ratio:.1f}x "
+              f"({r.worst_latency_ratio_at})")
+        for kind, ratios in sorted(r.quantile_ratios.items()):
+            print(f"    {kind:15s} " + ", ".join(f"{q} {v:.2f}" for q, v in ratios.items()))
+        print(f"  slowest request / its kind's quiet median: busy {r.worst_over_quiet_median:.1f}x, "
+              f"quiet {r.quiet_worst_over_quiet_median:.1f}x")
     rss = [s["rss_mib"] for s in r.samples]
     if rss:
         print(f"  RSS {rss[0]:.0f} -> {rss[-1]:.0f} MiB, slope once warm {r.rss_slope_mib_per_min} MiB/min")
