@@ -5,8 +5,7 @@ threshold for serving a large block from a mapping of its own (unmapped on free)
 block freed so far, so once a long prompt has passed, the temporaries of later steps come from the heaps,
 in the sizes each batch and chunk length asks for, and free runs between live blocks stay resident.
 malloc_trim(0) gives the pages inside free runs back (madvise) and keeps the heaps as they are. Under the
-soak's load on the default model it takes ~3 ms, and run every 10 s it kept the server's RSS about 60 MiB
-lower (docs/benchmarks.md).
+soak's load on the default model it takes ~3 ms; what it changes in the soak's RSS is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
