@@ -440,17 +440,18 @@ def _compare_phases(report: SoakReport, quiet: dict[str, list[float]], busy: dic
     def quantiles(lat):
         return {k: v for k, v in percentiles(lat).items() if k != "mean"} | {"max": max(lat)}
 
-    worst = (0.0, "")
+    worst, busy_over_median, quiet_over_median = (0.0, ""), 0.0, 0.0
     for kind in sorted(set(quiet) & set(busy)):
         q, b = quantiles(quiet[kind]), quantiles(busy[kind])
         ratios = report.quantile_ratios[kind] = {name: round(b[name] / q[name], 2) for name in q}
         name = max(ratios, key=ratios.get)
         worst = max(worst, (ratios[name], f"{kind} {name}"))
+        busy_over_median = max(busy_over_median, b["max"] / q["p50"])
+        quiet_over_median = max(quiet_over_median, q["max"] / q["p50"])
     if report.quantile_ratios:
         report.worst_latency_ratio, report.worst_latency_ratio_at = worst
-        median = {kind: percentiles(quiet[kind])["p50"] for kind in report.quantile_ratios}
-        report.worst_over_quiet_median = round(max(max(busy[k]) / median[k] for k in median), 2)
-        report.quiet_worst_over_quiet_median = round(max(max(quiet[k]) / median[k] for k in median), 2)
+        report.worst_over_quiet_median = round(busy_over_median, 2)
+        report.quiet_worst_over_quiet_median = round(quiet_over_median, 2)
 
 
 def summarize(load: _Load, report: SoakReport, warm_s: float) -> SoakReport:
