@@ -1,0 +1,203 @@
+// A measured prototype, not the engine's kernel: Q8_0 and Q4_1 weight rows stored interleaved by 16, so
+// that a vector's 16 int32 lanes are 16 weight rows, against the kernels in tokenmill/kernels/quant.h
+// (the rows as the engine repacks them: lanes are 16 blocks of one row, each row summed across its lanes).
+//
+// Interleaved layout, per tile of 16 weight rows and per 32-element block b of them:
+//   Q8_0  [16 float16 scales d] [8 x 64 bytes: word t of row j (its elements 4t..4t+3, as q + 128) at 64t + 4j]
+//   Q4_1  [16 float16 scales d] [16 float16 offsets m] [4 x 64 bytes: word t of row j's codes at 64t + 4j]
+//         (a Q4_1 code byte i holds element i in its low nibble and i + 16 in its high one, as GGUF has it)
+// the same bytes as the 16 rows' blocks. An input row's 4-byte word is broadcast to every lane, so one
+// vpdpbusd takes 4 values of 16 weight rows; a block's int32 sums are converted and scaled once for 16
+// rows, and no row ends in a horizontal sum. With R input rows each weight vector serves R products.
+//
+// Built and run by benchmarks/interleaved_rows.py (g++ -O3 -march=native; AVX-512 VNNI needed).
+#include "quant.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace tmq;
+
+namespace {
+
+constexpr int kTile = 16;
+
+struct Inputs {  // R activation rows quantized as the engine does (int8 blocks of 32, scales, block sums)
+  const int8_t* q[8];
+  const float* d[8];
+  const float* s[8];
+};
+
+template <int R>
+__attribute__((noinline)) void tile_q8_0(const uint8_t* tile, int64_t nb, const Inputs& x, int r0, float* y, int64_t ldy) {
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * (32 + 16 * 32);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    const uint8_t* w = blk + 32;
+    __m512i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; t += 2) {
+      const __m512i w0 = _mm512_loadu_si512(w + 64 * t), w1 = _mm512_loadu_si512(w + 64 * t + 64);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xw = (const int32_t*)(x.q[r0 + r] + b * QK);
+        s0[r] = _mm512_dpbusd_epi32(s0[r], w0, _mm512_set1_epi32(xw[t]));
+        s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(xw[t + 1]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // d dx sum(u x) - 128 d s: the codes' 128 through the block sums
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r0 + r][b])), acc[r]);
+      off[r] = _mm512_fmadd_ps(dw, _mm512_set1_ps(-128.f * x.s[r0 + r][b]), off[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], off[r]));
+}
+
+template <int R>
+__attribute__((noinline)) void tile_q4_1(const uint8_t* tile, int64_t nb, const Inputs& x, int r0, float* y, int64_t ldy) {
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * (64 + 16 * 16);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+    const uint8_t* w = blk + 64;
+    __m512i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * t);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xw = (const int32_t*)(x.q[r0 + r] + b * QK);  // words t (elements 4t..) and 4 + t (16 + 4t..)
+        s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(xw[t]));
+        s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(xw[4 + t]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // d dx sum(q x) + m s
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r0 + r][b])), acc[r]);
+      off[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[r0 + r][b]), off[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], off[r]));
+}
+
+// y[m][n] for M input rows (at most 8) and all N weight rows (N a multiple of 16), interleaved layout.
+void interleaved_product(int type, const uint8_t* w, int64_t N, int64_t nb, const Inputs& x, int M, float* y) {
+  const int64_t tile_bytes = nb * (type == Q8_0 ? 544 : 320);
+  for (int64_t t = 0; t < N / kTile; ++t) {
+    const uint8_t* tile = w + t * tile_bytes;
+    for (int r0 = 0; r0 < M; r0 += 4) {
+      const int g = std::min(4, M - r0);
+      float* out = y + r0 * N + t * kTile;
+      auto run = [&](auto fn1, auto fn2, auto fn3, auto fn4) {
+        switch (g) {
+          case 1: return fn1(tile, nb, x, r0, out, N);
+          case 2: return fn2(tile, nb, x, r0, out, N);
+          case 3: return fn3(tile, nb, x, r0, out, N);
+          default: return fn4(tile, nb, x, r0, out, N);
+        }
+      };
+      if (type == Q8_0) run(tile_q8_0<1>, tile_q8_0<2>, tile_q8_0<3>, tile_q8_0<4>);
+      else run(tile_q4_1<1>, tile_q4_1<2>, tile_q4_1<3>, tile_q4_1<4>);
+    }
+  }
+}
+
+// The same product through quant.h's kernels on the engine's layout (two weight rows a pass, up to 4 input
+// rows a pass, as the engine's module path takes them; prefetching left out on both sides).
+void engine_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const QRow* x, int M, float* y) {
+  float out[2 * kRowGroup];
+  for (int m0 = 0; m0 < M; m0 += kRowGroup) {
+    const int g = std::min<int>(kRowGroup, M - m0);
+    for (int64_t n = 0; n + 1 < N; n += 2) {
+      dot_rows2(type, w + n * row_bytes, w + (n + 1) * row_bytes, x + m0, g, K, out);
+      for (int r = 0; r < g; ++r) y[(m0 + r) * N + n] = out[r], y[(m0 + r) * N + n + 1] = out[kRowGroup + r];
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: %s q8_0|q4_1 K N INPUT_ROWS... \n", argv[0]);
+    return 2;
+  }
+  const int type = std::string(argv[1]) == "q8_0" ? Q8_0 : Q4_1;
+  const int64_t K = std::atol(argv[2]), N = std::atol(argv[3]) / kTile * kTile, nb = K / QK;
+  const int64_t gguf_block = type == Q8_0 ? 34 : 20, row_bytes = nb * gguf_block;
+  std::mt19937 rng(1);
+  std::vector<uint8_t> gguf(N * row_bytes);
+  for (auto& v : gguf) v = (uint8_t)rng();
+  for (int64_t n = 0; n < N; ++n)  // finite scales (and offsets) around 0.01
+    for (int64_t b = 0; b < nb; ++b)
+      for (int h = 0; h < (type == Q8_0 ? 1 : 2); ++h) {
+        const uint16_t v = (uint16_t)(0x2000 + rng() % 1024) | (h && rng() % 2 ? 0x8000 : 0);
+        std::memcpy(&gguf[n * row_bytes + b * gguf_block + 2 * h], &v, 2);
+      }
+  std::vector<uint8_t> engine(N * row_bytes), inter(N * row_bytes);
+  for (int64_t n = 0; n < N; ++n) repack_row(type, &gguf[n * row_bytes], &engine[n * row_bytes], K);
+  const int64_t head = type == Q8_0 ? 2 : 4, codes = type == Q8_0 ? 32 : 16, tblock = 16 * gguf_block;
+  for (int64_t t = 0; t < N / kTile; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* blk = &inter[(t * nb + b) * tblock];
+      for (int j = 0; j < kTile; ++j) {
+        const uint8_t* g = &gguf[(t * kTile + j) * row_bytes + b * gguf_block];
+        std::memcpy(blk + 2 * j, g, 2);                          // d
+        if (type == Q4_1) std::memcpy(blk + 32 + 2 * j, g + 2, 2);  // m
+        for (int64_t i = 0; i < codes; ++i)
+          blk[16 * head + 64 * (i / 4) + 4 * j + i % 4] = (uint8_t)(g[head + i] + (type == Q8_0 ? 128 : 0));
+      }
+    }
+  constexpr int kMaxRows = 8;
+  std::vector<float> xf(kMaxRows * K);
+  for (auto& v : xf) v = std::normal_distribution<float>()(rng);
+  std::vector<int8_t> q(kMaxRows * K), qt(kMaxRows * K);
+  std::vector<float> d(kMaxRows * nb), s(kMaxRows * nb);
+  QRow rows[kMaxRows];
+  Inputs x;
+  for (int r = 0; r < kMaxRows; ++r) {
+    quantize_activation_row(&xf[r * K], K, &q[r * K], &d[r * nb], &s[r * nb]);
+    group_order(&q[r * K], K, &qt[r * K]);
+    rows[r] = {&q[r * K], &d[r * nb], &s[r * nb]};
+    rows[r].qt = &qt[r * K];
+    x.q[r] = &q[r * K], x.d[r] = &d[r * nb], x.s[r] = &s[r * nb];
+  }
+  std::vector<float> y1(kMaxRows * N), y2(kMaxRows * N);
+  for (int a = 4; a < argc; ++a) {
+    const int M = std::min(kMaxRows, std::atoi(argv[a]));
+    auto timed = [&](auto&& fn) {  // median of 7 timings of enough products for ~0.1 s each
+      fn();
+      auto t0 = std::chrono::steady_clock::now();
+      fn();
+      const double once = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const int reps = std::max(1, (int)(0.1 / std::max(once, 1e-7)));
+      std::vector<double> times;
+      for (int i = 0; i < 7; ++i) {
+        t0 = std::chrono::steady_clock::now();
+        for (int j = 0; j < reps; ++j) fn();
+        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps);
+      }
+      std::sort(times.begin(), times.end());
+      return times[3];
+    };
+    const double te = timed([&] { engine_product(type, engine.data(), row_bytes, N, K, rows, M, y1.data()); });
+    const double ti = timed([&] { interleaved_product(type, inter.data(), N, nb, x, M, y2.data()); });
+    double diff = 0, scale = 0;
+    for (int64_t i = 0; i < M * N; ++i) diff = std::max(diff, (double)std::fabs(y1[i] - y2[i])), scale = std::max(scale, (double)std::fabs(y1[i]));
+    std::printf("%s %ld x %ld, %d input row(s), 1 thread: engine layout %.1f us (%.2f ns a weight row), "
+                "interleaved %.1f us (%.2f ns), %.2fx; largest difference %.1e of %.1e\n",
+                argv[1], (long)N, (long)K, M, te * 1e6, te * 1e9 / N, ti * 1e6, ti * 1e9 / N, te / ti, diff, scale);
+  }
+  return 0;
+}
