@@ -5,8 +5,8 @@ Workloads (greedy, the same chat prompts for every engine):
             300-800 tokens (taken from this repository's own files), where prompt lookup finds its proposals.
   chat      `bench throughput`'s chat dataset: open-ended answers.
 
-Configurations, each a fresh server process, run in turn and in reverse order in the next round (memory
-bandwidth here changes for minutes at a time):
+Configurations, each a fresh server process for every batch size (so that no prompt is in its cache), run
+in turn and in reverse order in the next round (memory bandwidth here changes for minutes at a time):
   tokenmill            no speculation
   tokenmill-ngram      --speculative-config '{"method": "ngram", "num_speculative_tokens": K}'
   tokenmill-float      (with --float or --draft) --quantization none: the file's weights dequantized to
@@ -55,6 +55,10 @@ GROUNDED = [
     ("Fix any typos in the following text and write it out again in full.", "README.md", 2200, 4200),
     ("Repeat the following Python code exactly.", "tokenmill/sample/sampler.py", 2500, 4300),
 ]
+
+
+# The warm-up request, unlike any measured prompt.
+WARM_UP = [{"role": "user", "content": "Say hello in three words."}]
 
 
 def grounded_messages() -> list[list[dict]]:
@@ -190,22 +194,25 @@ def main() -> None:
     names = [n for n in commands(args, 0) if args.only is None or n in args.only]
     for rnd in range(args.rounds):
         for name in (names if rnd % 2 == 0 else names[::-1]):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            proc = start(commands(args, port)[name], url)
-            try:
-                model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-                run_batch(url, model, convs[:1], 1, 16)  # warm-up
-                for b in args.batch:
+            # A fresh server for each batch size, warmed up on a prompt of its own: a server that had seen
+            # the measured prompts (at an earlier batch size, or as its warm-up) would find them in its
+            # prompt cache and skip their prefill.
+            for b in args.batch:
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                proc = start(commands(args, port)[name], url)
+                try:
+                    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+                    run_batch(url, model, [WARM_UP], 1, 16)
                     r = run_batch(url, model, convs, b, args.max_tokens)
-                    results.setdefault(name, {}).setdefault(b, []).append(r["tok_s"])
-                    decode.setdefault(name, {}).setdefault(b, []).append(r["decode_tok_s"])
-                    print(f"round {rnd} {name:16s} batch {b}: {r['tok_s']:.1f} output tok/s "
-                          f"({r['output_tokens']} tokens in {r['wall_s']:.1f} s); per request: decode "
-                          f"{r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s", flush=True)
-            finally:
-                proc.terminate()
-                proc.wait(30)
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+                results.setdefault(name, {}).setdefault(b, []).append(r["tok_s"])
+                decode.setdefault(name, {}).setdefault(b, []).append(r["decode_tok_s"])
+                print(f"round {rnd} {name:16s} batch {b}: {r['tok_s']:.1f} output tok/s "
+                      f"({r['output_tokens']} tokens in {r['wall_s']:.1f} s); per request: decode "
+                      f"{r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s", flush=True)
     for title, table in (("output tok/s (prefill included)", results),
                          ("per-request decode tok/s (after the first token)", decode)):
         print(f"\nmedian {title}, workload {args.workload}, {len(convs)} prompts, max_tokens {args.max_tokens}")
