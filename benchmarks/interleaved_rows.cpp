@@ -126,78 +126,132 @@ void engine_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, in
   }
 }
 
+// One matrix of random blocks (finite scales and offsets around 0.01) in both layouts.
+struct Weights {
+  int type;
+  int64_t K, N, nb, row_bytes;
+  std::vector<uint8_t> engine, inter;
+  Weights(int type_, int64_t K_, int64_t N_, std::mt19937& rng)
+      : type(type_), K(K_), N(N_ / kTile * kTile), nb(K_ / QK) {
+    const int64_t gguf_block = type == Q8_0 ? 34 : 20;
+    row_bytes = nb * gguf_block;
+    std::vector<uint8_t> gguf(N * row_bytes);
+    for (auto& v : gguf) v = (uint8_t)rng();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int h = 0; h < (type == Q8_0 ? 1 : 2); ++h) {
+          const uint16_t v = (uint16_t)(0x2000 + rng() % 1024) | (h && rng() % 2 ? 0x8000 : 0);
+          std::memcpy(&gguf[n * row_bytes + b * gguf_block + 2 * h], &v, 2);
+        }
+    engine.resize(N * row_bytes), inter.resize(N * row_bytes);
+    for (int64_t n = 0; n < N; ++n) repack_row(type, &gguf[n * row_bytes], &engine[n * row_bytes], K);
+    const int64_t head = type == Q8_0 ? 2 : 4, codes = type == Q8_0 ? 32 : 16, tblock = 16 * gguf_block;
+    for (int64_t t = 0; t < N / kTile; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* blk = &inter[(t * nb + b) * tblock];
+        for (int j = 0; j < kTile; ++j) {
+          const uint8_t* g = &gguf[(t * kTile + j) * row_bytes + b * gguf_block];
+          std::memcpy(blk + 2 * j, g, 2);                             // d
+          if (type == Q4_1) std::memcpy(blk + 32 + 2 * j, g + 2, 2);  // m
+          for (int64_t i = 0; i < codes; ++i)
+            blk[16 * head + 64 * (i / 4) + 4 * j + i % 4] = (uint8_t)(g[head + i] + (type == Q8_0 ? 128 : 0));
+        }
+      }
+  }
+};
+
+constexpr int kMaxRows = 8;
+
+// kMaxRows random activation rows of width K, quantized as the engine quantizes them, for both kernels.
+struct Activations {
+  std::vector<int8_t> q, qt;
+  std::vector<float> d, s;
+  QRow rows[kMaxRows];
+  Inputs x;
+  Activations(int64_t K, std::mt19937& rng) : q(kMaxRows * K), qt(kMaxRows * K), d(kMaxRows * K / QK), s(kMaxRows * K / QK) {
+    const int64_t nb = K / QK;
+    std::vector<float> xf(kMaxRows * K);
+    for (auto& v : xf) v = std::normal_distribution<float>()(rng);
+    for (int r = 0; r < kMaxRows; ++r) {
+      quantize_activation_row(&xf[r * K], K, &q[r * K], &d[r * nb], &s[r * nb]);
+      group_order(&q[r * K], K, &qt[r * K]);
+      rows[r] = {&q[r * K], &d[r * nb], &s[r * nb]};
+      rows[r].qt = &qt[r * K];
+      x.q[r] = &q[r * K], x.d[r] = &d[r * nb], x.s[r] = &s[r * nb];
+    }
+  }
+};
+
+template <typename F>
+double median_time(F&& fn) {  // median of 7 timings of enough calls for ~0.1 s each
+  fn();
+  auto t0 = std::chrono::steady_clock::now();
+  fn();
+  const double once = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int reps = std::max(1, (int)(0.1 / std::max(once, 1e-7)));
+  std::vector<double> times;
+  for (int i = 0; i < 7; ++i) {
+    t0 = std::chrono::steady_clock::now();
+    for (int j = 0; j < reps; ++j) fn();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps);
+  }
+  std::sort(times.begin(), times.end());
+  return times[3];
+}
+
+int usage(const char* argv0) {
+  std::fprintf(stderr, "usage: %s q8_0|q4_1 K N INPUT_ROWS...\n       %s step INPUT_ROWS...\n", argv0, argv0);
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 5) {
-    std::fprintf(stderr, "usage: %s q8_0|q4_1 K N INPUT_ROWS... \n", argv[0]);
-    return 2;
-  }
-  const int type = std::string(argv[1]) == "q8_0" ? Q8_0 : Q4_1;
-  const int64_t K = std::atol(argv[2]), N = std::atol(argv[3]) / kTile * kTile, nb = K / QK;
-  const int64_t gguf_block = type == Q8_0 ? 34 : 20, row_bytes = nb * gguf_block;
   std::mt19937 rng(1);
-  std::vector<uint8_t> gguf(N * row_bytes);
-  for (auto& v : gguf) v = (uint8_t)rng();
-  for (int64_t n = 0; n < N; ++n)  // finite scales (and offsets) around 0.01
-    for (int64_t b = 0; b < nb; ++b)
-      for (int h = 0; h < (type == Q8_0 ? 1 : 2); ++h) {
-        const uint16_t v = (uint16_t)(0x2000 + rng() % 1024) | (h && rng() % 2 ? 0x8000 : 0);
-        std::memcpy(&gguf[n * row_bytes + b * gguf_block + 2 * h], &v, 2);
-      }
-  std::vector<uint8_t> engine(N * row_bytes), inter(N * row_bytes);
-  for (int64_t n = 0; n < N; ++n) repack_row(type, &gguf[n * row_bytes], &engine[n * row_bytes], K);
-  const int64_t head = type == Q8_0 ? 2 : 4, codes = type == Q8_0 ? 32 : 16, tblock = 16 * gguf_block;
-  for (int64_t t = 0; t < N / kTile; ++t)
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* blk = &inter[(t * nb + b) * tblock];
-      for (int j = 0; j < kTile; ++j) {
-        const uint8_t* g = &gguf[(t * kTile + j) * row_bytes + b * gguf_block];
-        std::memcpy(blk + 2 * j, g, 2);                          // d
-        if (type == Q4_1) std::memcpy(blk + 32 + 2 * j, g + 2, 2);  // m
-        for (int64_t i = 0; i < codes; ++i)
-          blk[16 * head + 64 * (i / 4) + 4 * j + i % 4] = (uint8_t)(g[head + i] + (type == Q8_0 ? 128 : 0));
-      }
+  if (argc >= 3 && std::string(argv[1]) == "step") {
+    // Every product of one decode step of the default model's shapes, one after another from memory (30
+    // layers of Q4_1 q, k, v, o, gate, up, down, then the 49152 x 576 Q8_0 output layer: 96 MB).
+    struct Shape { int type; int64_t K, N; };
+    std::vector<Shape> layer = {{Q4_1, 576, 576}, {Q4_1, 576, 192}, {Q4_1, 576, 192}, {Q4_1, 576, 576},
+                                {Q4_1, 576, 1536}, {Q4_1, 576, 1536}, {Q4_1, 1536, 576}};
+    std::vector<Weights> ws;
+    for (int l = 0; l < 30; ++l)
+      for (const Shape& s : layer) ws.emplace_back(s.type, s.K, s.N, rng);
+    ws.emplace_back(Q8_0, 576, 49152, rng);
+    Activations a576(576, rng), a1536(1536, rng);
+    std::vector<float> y(kMaxRows * 49152);
+    double base1 = 0, inter1 = 0;
+    for (int a = 2; a < argc; ++a) {
+      const int M = std::min(kMaxRows, std::atoi(argv[a]));
+      const double te = median_time([&] {
+        for (const Weights& w : ws)
+          engine_product(w.type, w.engine.data(), w.row_bytes, w.N, w.K, (w.K == 576 ? a576 : a1536).rows, M, y.data());
+      });
+      const double ti = median_time([&] {
+        for (const Weights& w : ws) interleaved_product(w.type, w.inter.data(), w.N, w.nb, (w.K == 576 ? a576 : a1536).x, M, y.data());
+      });
+      if (a == 2) base1 = te, inter1 = ti;
+      std::printf("default model's step, %d input row(s), 1 thread: engine layout %.2f ms (%.2fx its first count), "
+                  "interleaved %.2f ms (%.2fx), %.2fx\n", M, te * 1e3, te / base1, ti * 1e3, ti / inter1, te / ti);
     }
-  constexpr int kMaxRows = 8;
-  std::vector<float> xf(kMaxRows * K);
-  for (auto& v : xf) v = std::normal_distribution<float>()(rng);
-  std::vector<int8_t> q(kMaxRows * K), qt(kMaxRows * K);
-  std::vector<float> d(kMaxRows * nb), s(kMaxRows * nb);
-  QRow rows[kMaxRows];
-  Inputs x;
-  for (int r = 0; r < kMaxRows; ++r) {
-    quantize_activation_row(&xf[r * K], K, &q[r * K], &d[r * nb], &s[r * nb]);
-    group_order(&q[r * K], K, &qt[r * K]);
-    rows[r] = {&q[r * K], &d[r * nb], &s[r * nb]};
-    rows[r].qt = &qt[r * K];
-    x.q[r] = &q[r * K], x.d[r] = &d[r * nb], x.s[r] = &s[r * nb];
+    return 0;
   }
-  std::vector<float> y1(kMaxRows * N), y2(kMaxRows * N);
+  if (argc < 5) return usage(argv[0]);
+  const int type = std::string(argv[1]) == "q8_0" ? Q8_0 : std::string(argv[1]) == "q4_1" ? Q4_1 : -1;
+  if (type < 0) return usage(argv[0]);
+  const Weights w(type, std::atol(argv[2]), std::atol(argv[3]), rng);
+  Activations act(w.K, rng);
+  std::vector<float> y1(kMaxRows * w.N), y2(kMaxRows * w.N);
   for (int a = 4; a < argc; ++a) {
     const int M = std::min(kMaxRows, std::atoi(argv[a]));
-    auto timed = [&](auto&& fn) {  // median of 7 timings of enough products for ~0.1 s each
-      fn();
-      auto t0 = std::chrono::steady_clock::now();
-      fn();
-      const double once = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const int reps = std::max(1, (int)(0.1 / std::max(once, 1e-7)));
-      std::vector<double> times;
-      for (int i = 0; i < 7; ++i) {
-        t0 = std::chrono::steady_clock::now();
-        for (int j = 0; j < reps; ++j) fn();
-        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps);
-      }
-      std::sort(times.begin(), times.end());
-      return times[3];
-    };
-    const double te = timed([&] { engine_product(type, engine.data(), row_bytes, N, K, rows, M, y1.data()); });
-    const double ti = timed([&] { interleaved_product(type, inter.data(), N, nb, x, M, y2.data()); });
+    const double te = median_time([&] { engine_product(type, w.engine.data(), w.row_bytes, w.N, w.K, act.rows, M, y1.data()); });
+    const double ti = median_time([&] { interleaved_product(type, w.inter.data(), w.N, w.nb, act.x, M, y2.data()); });
     double diff = 0, scale = 0;
-    for (int64_t i = 0; i < M * N; ++i) diff = std::max(diff, (double)std::fabs(y1[i] - y2[i])), scale = std::max(scale, (double)std::fabs(y1[i]));
+    for (int64_t i = 0; i < M * w.N; ++i)
+      diff = std::max(diff, (double)std::fabs(y1[i] - y2[i])), scale = std::max(scale, (double)std::fabs(y1[i]));
     std::printf("%s %ld x %ld, %d input row(s), 1 thread: engine layout %.1f us (%.2f ns a weight row), "
                 "interleaved %.1f us (%.2f ns), %.2fx; largest difference %.1e of %.1e\n",
-                argv[1], (long)N, (long)K, M, te * 1e6, te * 1e9 / N, ti * 1e6, ti * 1e9 / N, te / ti, diff, scale);
+                argv[1], (long)w.N, (long)w.K, M, te * 1e6, te * 1e9 / w.N, ti * 1e6, ti * 1e9 / w.N, te / ti, diff, scale);
   }
   return 0;
 }

@@ -2,7 +2,9 @@
 engine's layout (lanes are 16 blocks of one row), for Q8_0 and Q4_1 products of 1-8 input rows on one
 thread. See interleaved_rows.cpp for the layout. Builds it with g++ -O3 -march=native (AVX-512 VNNI
 needed) and runs it on the default model's shapes: its layers' Q4_1 matrices, its Q8_0 output layer
-(1024 rows, in cache, and all 49152, from memory) and Gemma 3 270M's 640-wide Q8_0 output layer rows.
+(1024 rows, in cache, and all 49152, from memory) and Gemma 3 270M's 640-wide Q8_0 output layer rows; then
+every product of one decode step of the default model's shapes in turn (30 layers and the output layer,
+96 MB of random blocks, from memory), as a step with 1-8 query rows would take them.
 
     python benchmarks/interleaved_rows.py [--inputs 1 2 4 8]
 """
@@ -40,6 +42,7 @@ def main() -> None:
                         os.path.join(HERE, "interleaved_rows.cpp"), "-o", exe], check=True)
         for fmt, k, n in SHAPES:
             subprocess.run([exe, fmt, str(k), str(n), *args.inputs], check=True)
+        subprocess.run([exe, "step", *args.inputs], check=True)
 
 
 if __name__ == "__main__":
