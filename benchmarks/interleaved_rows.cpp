@@ -34,61 +34,57 @@ struct Inputs {  // R activation rows quantized as the engine does (int8 blocks 
   const float* s[8];
 };
 
-template <int R>
-__attribute__((noinline)) void tile_q8_0(const uint8_t* tile, int64_t nb, const Inputs& x, int r0, float* y, int64_t ldy) {
+// 16 weight rows (one tile) against R input rows from r0 on: y[r * ldy + j] for weight row j of the tile.
+template <int R, bool Q8>
+__attribute__((noinline)) void tile_product(const uint8_t* tile, int64_t nb, const Inputs& x, int r0, float* y, int64_t ldy) {
+  constexpr int64_t head = Q8 ? 32 : 64, block = head + kTile * (Q8 ? 32 : 16);  // scales (and offsets), codes
+  const __m512i m4 = _mm512_set1_epi8(0xF);
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = tile + b * (32 + 16 * 32);
+    const uint8_t* blk = tile + b * block;
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    const uint8_t* w = blk + 32;
+    const uint8_t* w = blk + head;
     __m512i s0[R], s1[R];
     for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; t += 2) {
-      const __m512i w0 = _mm512_loadu_si512(w + 64 * t), w1 = _mm512_loadu_si512(w + 64 * t + 64);
+    for (int t = 0; t < 4; ++t) {
+      // Two code vectors and the input words they multiply: Q8_0 words 2t and 2t + 1 (elements 8t..8t + 7);
+      // Q4_1 one vector's low nibbles (word t, elements 4t..) and high ones (word 4 + t, elements 16 + 4t..).
+      __m512i c0, c1;
+      int i0, i1;
+      if constexpr (Q8) {
+        c0 = _mm512_loadu_si512(w + 128 * t), c1 = _mm512_loadu_si512(w + 128 * t + 64), i0 = 2 * t, i1 = 2 * t + 1;
+      } else {
+        const __m512i v = _mm512_loadu_si512(w + 64 * t);
+        c0 = _mm512_and_si512(v, m4), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), i0 = t, i1 = 4 + t;
+      }
       for (int r = 0; r < R; ++r) {
         const int32_t* xw = (const int32_t*)(x.q[r0 + r] + b * QK);
-        s0[r] = _mm512_dpbusd_epi32(s0[r], w0, _mm512_set1_epi32(xw[t]));
-        s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(xw[t + 1]));
+        s0[r] = _mm512_dpbusd_epi32(s0[r], c0, _mm512_set1_epi32(xw[i0]));
+        s1[r] = _mm512_dpbusd_epi32(s1[r], c1, _mm512_set1_epi32(xw[i1]));
       }
     }
-    for (int r = 0; r < R; ++r) {  // d dx sum(u x) - 128 d s: the codes' 128 through the block sums
-      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
+    for (int r = 0; r < R; ++r) {  // d dx sum(c x), plus the offset through the block sums s: Q8_0's -128 d s
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));  // (the codes are q + 128), Q4_1's m s
       acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r0 + r][b])), acc[r]);
-      off[r] = _mm512_fmadd_ps(dw, _mm512_set1_ps(-128.f * x.s[r0 + r][b]), off[r]);
+      if constexpr (Q8)
+        off[r] = _mm512_fmadd_ps(dw, _mm512_set1_ps(-128.f * x.s[r0 + r][b]), off[r]);
+      else
+        off[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))),
+                                 _mm512_set1_ps(x.s[r0 + r][b]), off[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], off[r]));
 }
 
-template <int R>
-__attribute__((noinline)) void tile_q4_1(const uint8_t* tile, int64_t nb, const Inputs& x, int r0, float* y, int64_t ldy) {
-  const __m512i m4 = _mm512_set1_epi8(0xF);
-  __m512 acc[R], off[R];
-  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = tile + b * (64 + 16 * 16);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
-    const uint8_t* w = blk + 64;
-    __m512i s0[R], s1[R];
-    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
-    for (int t = 0; t < 4; ++t) {
-      const __m512i v = _mm512_loadu_si512(w + 64 * t);
-      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      for (int r = 0; r < R; ++r) {
-        const int32_t* xw = (const int32_t*)(x.q[r0 + r] + b * QK);  // words t (elements 4t..) and 4 + t (16 + 4t..)
-        s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(xw[t]));
-        s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(xw[4 + t]));
-      }
-    }
-    for (int r = 0; r < R; ++r) {  // d dx sum(q x) + m s
-      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
-      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r0 + r][b])), acc[r]);
-      off[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[r0 + r][b]), off[r]);
-    }
+template <bool Q8>
+void tile_rows(int g, const uint8_t* tile, int64_t nb, const Inputs& x, int r0, float* y, int64_t ldy) {
+  switch (g) {
+    case 1: return tile_product<1, Q8>(tile, nb, x, r0, y, ldy);
+    case 2: return tile_product<2, Q8>(tile, nb, x, r0, y, ldy);
+    case 3: return tile_product<3, Q8>(tile, nb, x, r0, y, ldy);
+    default: return tile_product<4, Q8>(tile, nb, x, r0, y, ldy);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], off[r]));
 }
 
 // y[m][n] for M input rows (at most 8) and all N weight rows (N a multiple of 16), interleaved layout.
@@ -99,16 +95,8 @@ void interleaved_product(int type, const uint8_t* w, int64_t N, int64_t nb, cons
     for (int r0 = 0; r0 < M; r0 += 4) {
       const int g = std::min(4, M - r0);
       float* out = y + r0 * N + t * kTile;
-      auto run = [&](auto fn1, auto fn2, auto fn3, auto fn4) {
-        switch (g) {
-          case 1: return fn1(tile, nb, x, r0, out, N);
-          case 2: return fn2(tile, nb, x, r0, out, N);
-          case 3: return fn3(tile, nb, x, r0, out, N);
-          default: return fn4(tile, nb, x, r0, out, N);
-        }
-      };
-      if (type == Q8_0) run(tile_q8_0<1>, tile_q8_0<2>, tile_q8_0<3>, tile_q8_0<4>);
-      else run(tile_q4_1<1>, tile_q4_1<2>, tile_q4_1<3>, tile_q4_1<4>);
+      if (type == Q8_0) tile_rows<true>(g, tile, nb, x, r0, out, N);
+      else tile_rows<false>(g, tile, nb, x, r0, out, N);
     }
   }
 }
