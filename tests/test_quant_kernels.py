@@ -62,8 +62,9 @@ def quantized_activation(x: np.ndarray, qtype=None) -> np.ndarray:
     return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float32).astype(np.float64)).reshape(x.shape)
 
 
-SHAPES = {  # (rows, row length): odd row counts, and rows of an odd number of blocks
-    32: [(1, 32), (13, 96), (67, 288), (5, 1120), (8, 2048)],
+SHAPES = {  # (rows, row length): odd row counts, and rows of an odd number of blocks; for the 32-element
+    # formats also whole tiles of 16 rows (stored interleaved where the CPU has AVX-512 VNNI: quant_tiles.h)
+    32: [(1, 32), (13, 96), (67, 288), (5, 1120), (8, 2048), (16, 32), (48, 576), (32, 1120)],
     256: [(1, 256), (13, 768), (37, 512)],
 }
 

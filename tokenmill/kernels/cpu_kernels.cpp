@@ -1144,7 +1144,10 @@ Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
       p.row_bytes = K * (int64_t)sizeof(T);
     } else {
       tmq::Format f;
-      TORCH_CHECK(tmq::format_of((int)type, f), name, ": quantized type ", type, " has no kernel");
+      const int base = tmq::base_type((int)type);
+      TORCH_CHECK(tmq::format_of(base, f) && (!tmq::is_tiled((int)type) || tmq::can_tile(base)), name,
+                  ": quantized type ", type, " has no kernel");
+      TORCH_CHECK(!tmq::is_tiled((int)type) || t.size(0) % tmq::kTileRows == 0, name, ": a tiled part has whole tiles of rows");
       TORCH_CHECK(K % f.block == 0 && t.scalar_type() == torch::kUInt8 && t.size(1) == K / f.block * f.bytes, name,
                   ": a type ", type, " part must be uint8 [rows, ", K / f.block * f.bytes, "]");
       p.row_bytes = t.size(1);
@@ -1250,6 +1253,12 @@ void quant_rows(const MatrixPart& p, const tmq::QRow* xq, int64_t M, int64_t K, 
   constexpr int G = tmq::kRowGroup;
   float out[2 * G];
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.data);
+  if (tmq::is_tiled((int)p.type)) {  // tiles of 16 rows (quant_tiles.h)
+    tmq::tiled_rows((int)p.type, w, p.row_bytes, xq, M, K, n0, n1,
+                    [&](int64_t m, int64_t n, float v) { put(y + m * N + n, v, bias, n, accumulate); },
+                    [&](int64_t bytes) { walks.read(bytes, M); });
+    return;
+  }
   int64_t n = n0;
   if (tmq::pairs_rows((int)p.type)) {
     for (; n + 1 < n1; n += 2) {
@@ -1333,7 +1342,11 @@ void matrix_row(const Matrix& W, int64_t id, T* y) {
       std::memcpy(y, row, W.K * sizeof(T));
     } else {
       std::vector<float> f(W.K);
-      tmq::dequantize_row((int)p.type, reinterpret_cast<const uint8_t*>(row), f.data(), W.K);
+      std::vector<uint8_t> buf;
+      tmq::dequantize_row(tmq::base_type((int)p.type),
+                          tmq::row_layout((int)p.type, reinterpret_cast<const uint8_t*>(p.data), p.row_bytes, id - p.r0,
+                                          W.K, buf),
+                          f.data(), W.K);
       for (int64_t k = 0; k < W.K; ++k) y[k] = from_float<T>(f[k]);
     }
     return;

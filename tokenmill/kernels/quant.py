@@ -20,11 +20,18 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_product.h", "quant_amx.h", "simd.h")]
+_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_product.h", "quant_amx.h", "quant_tiles.h", "simd.h")]
 
 # GGML type id -> (name, elements per block, bytes per block), for the types with a kernel.
 FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
            12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 39: ("MXFP4", 32, 17)}
+
+# A type id with this flag: the matrix's rows are interleaved by 16 (quant_tiles.h), the layout of the byte
+# products of a few input rows where the CPU has AVX-512 VNNI. TOKENMILL_QUANT_TILES=0 keeps every matrix in
+# the row layout (to compare the two).
+TILED = 256
+_TILE_FORMATS = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+_tiles = os.environ.get("TOKENMILL_QUANT_TILES", "1") != "0"
 
 _module = None
 _tried = False
@@ -143,9 +150,25 @@ def float_from(rows: int) -> int | None:
     return step[1] if step is not None and step[0] == rows else None
 
 
+def set_tiles(on: bool) -> None:
+    """Whether matrices loaded from now on may have their rows interleaved by 16 (the default), or all keep
+    the row layout."""
+    global _tiles
+    _tiles = bool(on)
+
+
+def tiles_for(qtype: int, rows: int) -> bool:
+    """Whether a matrix of `rows` rows in GGUF format `qtype` is stored in tiles of 16 rows: where its format
+    has a tile kernel, its rows are whole tiles, and the kernels take AVX-512 VNNI without AMX (AMX's
+    panels of 16 and more input rows read the row layout)."""
+    m = load()
+    return (_tiles and qtype in _TILE_FORMATS and rows % 16 == 0 and m is not None and m.vnni and not m.amx)
+
+
 def type_name(qtype: int) -> str:
     import gguf
 
+    qtype &= ~TILED
     try:
         return gguf.GGMLQuantizationType(qtype).name
     except ValueError:
@@ -154,15 +177,19 @@ def type_name(qtype: int) -> str:
 
 class QuantizedWeight:
     """A matrix [N, K] in a block format: data is uint8 [N, bytes per row], each row's bytes in the kernel's
-    layout of its format (quant.h: GGUF's blocks, those of the 32-element formats rearranged)."""
+    layout of its format (quant.h: GGUF's blocks, those of the 32-element formats rearranged), or, where
+    qtype has the TILED flag, each 16 rows' bytes interleaved (quant_tiles.h)."""
 
     __slots__ = ("qtype", "shape", "data")
 
     def __init__(self, qtype: int, shape: tuple[int, int], data: torch.Tensor, name: str = "weight") -> None:
-        if qtype not in FORMATS:
+        base = qtype & ~TILED
+        if base not in FORMATS or (qtype & TILED and base not in _TILE_FORMATS):
             raise ValueError(f"{name}: quantized type {type_name(qtype)} has no kernel")
-        _, block, nbytes = FORMATS[qtype]
+        _, block, nbytes = FORMATS[base]
         n, k = shape
+        if qtype & TILED and n % 16:
+            raise ValueError(f"{name}: a matrix of rows interleaved by 16 cannot have {n} rows")
         if k % block:
             raise ValueError(f"{name}: rows of {k} elements do not divide into {type_name(qtype)} blocks of {block}")
         if data.dtype != torch.uint8 or tuple(data.shape) != (n, k // block * nbytes):
@@ -172,16 +199,24 @@ class QuantizedWeight:
 
     @classmethod
     def from_blocks(cls, qtype: int, shape: tuple[int, int], blocks: torch.Tensor, name: str = "weight",
-                    out: torch.Tensor | None = None) -> "QuantizedWeight":
+                    out: torch.Tensor | None = None, tile_rows: int | None = None) -> "QuantizedWeight":
         """From rows of GGUF blocks, as a file holds them (checked, then repacked for the kernel into `out`
-        where given: a uint8 view of the same shape, e.g. a slice of the weight arena)."""
+        where given: a uint8 view of the same shape, e.g. a slice of the weight arena). Tiled where
+        tiles_for() says so; tile_rows: the row count each slice taken of it later will have (a stacked
+        expert tensor's), which must then be whole tiles too."""
         w = cls(qtype, shape, blocks, name)
-        w.data = _module.repack(w.data, qtype, shape[1], out)
+        if tiles_for(qtype, shape[0]) and (tile_rows is None or tile_rows % 16 == 0):
+            w.qtype = qtype | TILED
+        w.data = _module.repack(w.data, w.qtype, shape[1], out)
         return w
 
     @property
     def name(self) -> str:
-        return FORMATS[self.qtype][0]
+        return FORMATS[self.qtype & ~TILED][0]
+
+    @property
+    def tiled(self) -> bool:
+        return bool(self.qtype & TILED)
 
     @property
     def nbytes(self) -> int:
@@ -230,7 +265,7 @@ class QuantizedWeight:
 QUANTIZE_TO = {"int8": (8, 8), "int4": (3, 8)}
 
 
-def quantize(w: torch.Tensor, qtype: int, name: str = "weight") -> QuantizedWeight:
+def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int | None = None) -> QuantizedWeight:
     """A float matrix [N, K] quantized by rounding to nearest, in groups of 32 along K:
     Q8_0 (int8, w = d q with d = max|w| / 127) or Q4_1 (int4, w = d q + m over the group's range)."""
     n, k = w.shape
@@ -252,4 +287,4 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight") -> QuantizedWeig
                             packed], dim=-1)
     else:
         raise ValueError(f"quantizing to {type_name(qtype)} is not supported (Q8_0 and Q4_1 are)")
-    return QuantizedWeight.from_blocks(qtype, (n, k), blocks.reshape(n, -1).contiguous(), name)
+    return QuantizedWeight.from_blocks(qtype, (n, k), blocks.reshape(n, -1).contiguous(), name, tile_rows=tile_rows)

@@ -13,12 +13,15 @@ namespace {
 
 tmq::Format checked_format(int64_t type, int64_t K, const torch::Tensor& w) {
   tmq::Format f;
-  TORCH_CHECK(tmq::format_of((int)type, f), "quantized weight type ", type, " has no kernel");
+  TORCH_CHECK(tmq::format_of(tmq::base_type((int)type), f) && (!tmq::is_tiled((int)type) || tmq::can_tile(tmq::base_type((int)type))),
+              "quantized weight type ", type, " has no kernel");
   TORCH_CHECK(K > 0 && K % f.block == 0, "row length ", K, " is not a multiple of the block size ", f.block);
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
               "quantized weight must be a contiguous uint8 CPU tensor [rows, bytes per row]");
   TORCH_CHECK(w.size(1) == K / f.block * f.bytes, "quantized weight rows hold ", w.size(1), " bytes, expected ",
               K / f.block * f.bytes, " for ", K, " elements");
+  TORCH_CHECK(!tmq::is_tiled((int)type) || w.size(0) % tmq::kTileRows == 0, "a matrix of rows interleaved by ",
+              tmq::kTileRows, " has whole tiles of rows, not ", w.size(0));
   return f;
 }
 
@@ -55,14 +58,17 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const 
   {
     pybind11::gil_scoped_release nogil;
     at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
+      std::vector<uint8_t> buf;
       for (int64_t i = i0; i < i1; ++i)
-        tmq::dequantize_row((int)type, wp + (all ? i : ip[i]) * row_bytes, yp + i * K, K);
+        tmq::dequantize_row(tmq::base_type((int)type), tmq::row_layout((int)type, wp, row_bytes, all ? i : ip[i], K, buf),
+                            yp + i * K, K);
     });
   }
   return y;
 }
 
-// GGUF blocks [N, bytes per row] -> the same bytes in the kernel's layout (quant.h).
+// GGUF blocks [N, bytes per row] -> the same bytes in the kernel's layout of `type`: quant.h's rows, or
+// (type with tmq::kTiled) quant_tiles.h's tiles of 16 rows.
 torch::Tensor repack(const torch::Tensor& blocks, int64_t type, int64_t K, std::optional<torch::Tensor> out_) {
   checked_format(type, K, blocks);
   torch::Tensor out = out_.has_value() ? *out_ : torch::empty_like(blocks);
@@ -73,9 +79,18 @@ torch::Tensor repack(const torch::Tensor& blocks, int64_t type, int64_t K, std::
   uint8_t* o = out.data_ptr<uint8_t>();
   {
     pybind11::gil_scoped_release nogil;
-    at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) tmq::repack_row((int)type, in + n * row_bytes, o + n * row_bytes, K);
-    });
+    if (tmq::is_tiled((int)type)) {
+      TORCH_CHECK(blocks.data_ptr() != out.data_ptr(), "tiles are not repacked in place");
+      const int64_t tile_bytes = tmq::kTileRows * row_bytes;
+      at::parallel_for(0, N / tmq::kTileRows, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          tmq::tile_from_gguf(tmq::base_type((int)type), in + t * tile_bytes, row_bytes, K / tmq::QK, o + t * tile_bytes);
+      });
+    } else {
+      at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) tmq::repack_row((int)type, in + n * row_bytes, o + n * row_bytes, K);
+      });
+    }
   }
   return out;
 }
@@ -86,6 +101,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &repack, "GGUF blocks into the kernel's layout of the same bytes", py::arg("blocks"),
         py::arg("type"), py::arg("K"), py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "rows of a block-quantized matrix as float32");
+  m.attr("tiled") = tmq::kTiled;  // the flag of a type id whose matrix has rows interleaved by 16
   m.def("float_rows", [](bool bf16) { return tmq::float_rows_for(bf16); }, py::arg("bfloat16") = false,
         "input rows (float32, or bfloat16) from which products dequantize + GEMM");
   m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(0, n)); },

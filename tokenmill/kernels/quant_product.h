@@ -19,6 +19,7 @@
 
 #include "quant.h"
 #include "quant_amx.h"
+#include "quant_tiles.h"
 
 namespace tmq {
 
@@ -127,11 +128,13 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t rows = std::min(tile, N - n0);
     for_tiles((rows + 15) / 16, [&](int64_t t) {
+      thread_local std::vector<uint8_t> row_buf;
       for (int64_t n = t * 16; n < std::min(rows, t * 16 + 16); ++n) {
+        const uint8_t* row = row_layout(type, w, row_bytes, n0 + n, K, row_buf);
         if (bf16)
-          dequantize_row_bf16(type, w + (n0 + n) * row_bytes, (uint16_t*)buf + n * K, K);
+          dequantize_row_bf16(base_type(type), row, (uint16_t*)buf + n * K, K);
         else
-          dequantize_row(type, w + (n0 + n) * row_bytes, (float*)buf + n * K, K);
+          dequantize_row(base_type(type), row, (float*)buf + n * K, K);
       }
     });
     auto wt = torch::from_blob(buf, {rows, K}, x.options());
@@ -198,12 +201,24 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
                               per256 ? sums16.data() + m * K / 16 : nullptr);
   });
 #ifdef TM_QUANT_AMX
-  if (M >= kAmxRows && amx_usable() && type != MXFP4) {  // (no tile unpacking for MXFP4's codes yet)
+  if (M >= kAmxRows && amx_usable() && type != MXFP4 && !is_tiled(type)) {  // (no tile unpacking for MXFP4's codes yet)
     amx_product(type, w, row_bytes, N, q.data(), d.data(), s.data(), M, K, yp, ldy);
     if (!direct) y.copy_(y32);
     return;
   }
 #endif
+  if (is_tiled(type)) {  // tiles of 16 weight rows (quant_tiles.h), a few to a task
+    for (int64_t m = 0; m < M; ++m) rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+    const int64_t tiles = N / kTileRows;
+    const int64_t per_task = M <= kRowGroup ? std::max<int64_t>(1, tiles / (8 * at::get_num_threads())) : 1;
+    for_tiles((tiles + per_task - 1) / per_task, [&](int64_t t) {
+      const int64_t n0 = t * per_task * kTileRows, n1 = std::min(N, n0 + per_task * kTileRows);
+      tiled_rows(type, w, row_bytes, rows.data(), M, K, n0, n1, [&](int64_t m, int64_t n, float v) { yp[m * ldy + n] = v; },
+                 [](int64_t) {});
+    });
+    if (!direct) y.copy_(y32);
+    return;
+  }
   std::vector<int8_t> reordered(M * K);  // the K formats' quad order (per256), else the 32-element groups
   for (int64_t m = 0; m < M; ++m) {
     int8_t* r = reordered.data() + m * K;

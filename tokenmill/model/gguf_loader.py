@@ -456,7 +456,10 @@ def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict
                                                shape, block, block_bytes)
             data = torch.from_numpy(np.array(rows, copy=True, order="C"))
             out = (place or {}).get(hf)
-            yield hf, QuantizedWeight.from_blocks(int(t.tensor_type), shape, data, name=t.name, out=out)
+            # (a stacked expert tensor, [experts, rows, cols], is sliced by expert: tiled only by whole tiles)
+            tile_rows = int(t.shape[1]) if len(t.shape) == 3 else None
+            yield hf, QuantizedWeight.from_blocks(int(t.tensor_type), shape, data, name=t.name, out=out,
+                                                  tile_rows=tile_rows)
             continue
         try:
             arr = dequantize(t.data, t.tensor_type)

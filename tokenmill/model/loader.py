@@ -190,7 +190,8 @@ def _quantized_stream(model: nn.Module, weights, targets: dict, quantization: st
         if module_name in targets and isinstance(tensor, torch.Tensor):
             before += tensor.numel() * model.norm.weight.element_size()
             # [rows, cols], or experts stacked [E, rows, cols]: their rows one after another
-            tensor = quant.quantize(tensor.reshape(-1, tensor.shape[-1]), targets[module_name], name)
+            tile_rows = tensor.shape[-2] if tensor.dim() == 3 else None  # (sliced by expert later)
+            tensor = quant.quantize(tensor.reshape(-1, tensor.shape[-1]), targets[module_name], name, tile_rows)
             after += tensor.nbytes
             count += 1
         yield name, tensor

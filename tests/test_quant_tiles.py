@@ -1,0 +1,117 @@
+"""Weight rows interleaved by 16 (kernels/quant_tiles.h): the same values as the file's blocks, products
+against a float64 reference, and results that do not depend on the schedule."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from tokenmill.kernels import quant  # noqa: E402
+from tests.test_quant_kernels import kernels, quantized_activation, random_blocks  # noqa: E402,F401
+
+T = gguf.GGMLQuantizationType
+TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
+SHAPES = [(16, 32), (48, 576), (32, 1120), (64, 1536)]  # rows of 1, 18, 35 and 48 blocks
+
+
+def tiled(kernels, qtype, data: np.ndarray, k: int) -> torch.Tensor:
+    """The tiled bytes of GGUF blocks, repacked by `kernels` (either build: the layout is the same)."""
+    return kernels.repack(torch.from_numpy(data), int(qtype) | quant.TILED, k)
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+def test_tiles_hold_the_file_s_values(kernels, qtype):
+    """Every row read back out of its tile (the embedding lookup, the prompt path's dequantized rows) is the
+    gguf package's dequantization of the file's blocks, exactly; the tiles take the file's bytes."""
+    rng = np.random.default_rng(int(qtype))
+    for n, k in SHAPES:
+        data = random_blocks(qtype, n, k, rng)
+        w = tiled(kernels, qtype, data, k)
+        assert w.shape == data.shape
+        want = gguf.quants.dequantize(data, qtype).reshape(n, k)
+        np.testing.assert_array_equal(kernels.dequantize(w, int(qtype) | quant.TILED, k, torch.empty(0)).numpy(), want)
+        ids = torch.tensor([n - 1, 0, 17 % n, n // 2])
+        np.testing.assert_array_equal(kernels.dequantize(w, int(qtype) | quant.TILED, k, ids).numpy(),
+                                      want[ids.numpy()])
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 9, 64])
+def test_tiled_products_match_float64(kernels, qtype, batch):
+    """Below float_rows: int8 inputs and the tile kernel (vectorized, or its portable reference in the
+    portable build), against the exact float64 product of the inputs as the kernel rounds them; from
+    float_rows on, the rows dequantized out of their tiles times the float inputs."""
+    rng = np.random.default_rng(batch * 10 + int(qtype))
+    int8_inputs = batch < kernels.float_rows()
+    for n, k in SHAPES:
+        data = random_blocks(qtype, n, k, rng)
+        w64 = gguf.quants.dequantize(data, qtype).reshape(n, k).astype(np.float64)
+        x = rng.standard_normal((batch, k)).astype(np.float32)
+        x[0, :32] = 0  # an all-zero activation block
+        got = kernels.qmatmul(torch.from_numpy(x), tiled(kernels, qtype, data, k), int(qtype) | quant.TILED, k).numpy()
+        xk = quantized_activation(x) if int8_inputs else x.astype(np.float64)
+        scale = np.abs(xk) @ np.abs(w64).T + 1e-30
+        assert np.max(np.abs(got - xk @ w64.T) / scale) < 2e-5, (n, k)
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+def test_a_tiled_row_s_product_does_not_depend_on_the_schedule(kernels, qtype):
+    """A weight row's product is the same bits whether its input row comes alone or with others (a decode
+    step against a verify step or a batch), on one thread or two (another split of the tiles), and wherever
+    its tile lies in the matrix."""
+    rng = np.random.default_rng(int(qtype) + 3)
+    k = 640
+    data = random_blocks(qtype, 64, k, rng)
+    w = tiled(kernels, qtype, data, k)
+    typ = int(qtype) | quant.TILED
+    rows = min(6, kernels.float_rows() - 1)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    alone = torch.cat([kernels.qmatmul(x[i:i + 1], w, typ, k) for i in range(rows)])
+    for m in range(2, rows + 1):
+        assert torch.equal(kernels.qmatmul(x[:m], w, typ, k), alone[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.qmatmul(x, w, typ, k), alone)
+    finally:
+        torch.set_num_threads(threads)
+    one_tile = kernels.qmatmul(x, tiled(kernels, qtype, np.ascontiguousarray(data[32:48]), k), typ, k)
+    assert torch.equal(one_tile, alone[:, 32:48])
+
+
+def test_tiled_and_row_layouts_agree(kernels):
+    """The two layouts sum the same products in different orders: equal to float rounding."""
+    rng = np.random.default_rng(5)
+    for qtype in TILE_TYPES:
+        data = random_blocks(qtype, 48, 576, rng)
+        x = torch.from_numpy(rng.standard_normal((3, 576)).astype(np.float32))
+        rows = kernels.qmatmul(x, kernels.repack(torch.from_numpy(data), int(qtype), 576), int(qtype), 576)
+        tiles = kernels.qmatmul(x, tiled(kernels, qtype, data, 576), int(qtype) | quant.TILED, 576)
+        torch.testing.assert_close(tiles, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()))
+
+
+def test_which_matrices_are_tiled():
+    """Whole tiles of a format with a tile kernel, where the CPU has VNNI (and no AMX); a stacked expert
+    tensor only where each expert's rows are whole tiles; none after set_tiles(False)."""
+    m = quant.load()
+    if m is None:
+        pytest.skip("the quantized-weight kernels could not be built here")
+    rng = np.random.default_rng(1)
+    data = random_blocks(T.Q8_0, 48, 64, rng)
+    expect = bool(m.vnni and not m.amx)
+    assert quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data)).tiled == expect
+    assert not quant.QuantizedWeight.from_blocks(8, (40, 64), torch.from_numpy(data[:40])).tiled
+    assert not quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=24).tiled
+    assert quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=16).tiled == expect
+    q6 = random_blocks(T.Q6_K, 16, 256, rng)
+    assert not quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled
+    quant.set_tiles(False)
+    try:
+        assert not quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data)).tiled
+    finally:
+        quant.set_tiles(True)
+    with pytest.raises(ValueError, match="interleaved by 16"):
+        quant.QuantizedWeight(8 | quant.TILED, (40, 64), torch.zeros(40, 68, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="no kernel"):
+        quant.QuantizedWeight(12 | quant.TILED, (16, 256), torch.zeros(16, 144, dtype=torch.uint8))

@@ -1,0 +1,213 @@
+// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0 and Q4_1 blocks, for the byte products of
+// a few input rows (decode, speculative verify steps, small batches).
+//
+// In the row layout (quant.h) a vector's 16 int32 lanes are 16 blocks of one weight row: each pair of weight
+// row and input row ends in its own conversion, scaling and horizontal sum, and on short rows (the default
+// model's 576 elements are 18 blocks) those instructions, not the weight stream, set the speed. Here a
+// vector's lanes are 16 weight rows: a tile of 16 rows is stored block by block, and in block b of a tile
+//   Q8_0  [16 float16 scales d] [8 x 64 bytes: word t of row j (elements 4t..4t+3, as q + 128) at 64t + 4j]
+//   Q4_0  [16 float16 scales d] [4 x 64 bytes: word t of row j's codes at 64t + 4j]
+//   Q4_1  [16 float16 scales d] [16 float16 offsets m] [4 x 64 bytes, as Q4_0]
+// (a 4-bit code byte i holds element i in its low nibble and i + 16 in its high one, as GGUF has it). The
+// tile holds the same bytes as its 16 rows of GGUF blocks: a matrix keeps its size, and rows [16t, 16t + 16)
+// keep their byte range. An input row's 4-byte word is broadcast to every lane: one vpdpbusd takes 4 values
+// of 16 weight rows, a block's sums are converted and scaled once for 16 rows, no row ends in a horizontal
+// sum, and each weight vector serves every input row of the pass (benchmarks/interleaved_rows.py measured
+// this layout before it was the engine's).
+//
+// A tiled matrix's type id is its format's with kTiled set, so that the layout travels wherever the type
+// does. Only matrices of whole tiles (rows a multiple of 16) are tiled, and only where the kernels take
+// AVX-512 VNNI (quant.py decides at load). A tiled row's result comes from tile_rows alone, whichever path
+// (fused decoder or module) or row split asks for it, so it never depends on the schedule.
+#pragma once
+
+#include "quant.h"
+
+namespace tmq {
+
+constexpr int kTiled = 256;   // set in a type id: rows interleaved by 16
+constexpr int kTileRows = 16;
+
+inline bool is_tiled(int type) { return (type & kTiled) != 0; }
+inline int base_type(int type) { return type & ~kTiled; }
+inline bool can_tile(int type) { return type == Q8_0 || type == Q4_0 || type == Q4_1; }
+
+// Bytes of a tile's block b: its scales (and offsets), then its code words.
+inline int64_t tile_head_bytes(int base) { return base == Q4_1 ? 64 : 32; }
+inline int64_t tile_block_bytes(int base) { return kTileRows * (base == Q8_0 ? 34 : base == Q4_0 ? 18 : 20); }
+
+// 16 rows of GGUF blocks (row_bytes apart) -> one tile of nb blocks.
+inline void tile_from_gguf(int base, const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
+  const int64_t gb = base == Q8_0 ? 34 : base == Q4_0 ? 18 : 20, head = base == Q4_1 ? 4 : 2;
+  const int codes = base == Q8_0 ? 32 : 16;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* blk = tile + b * tile_block_bytes(base);
+    uint8_t* words = blk + tile_head_bytes(base);
+    for (int j = 0; j < kTileRows; ++j) {
+      const uint8_t* g = rows + j * row_bytes + b * gb;
+      std::memcpy(blk + 2 * j, g, 2);
+      if (base == Q4_1) std::memcpy(blk + 32 + 2 * j, g + 2, 2);
+      for (int i = 0; i < codes; ++i)
+        words[64 * (i / 4) + 4 * j + i % 4] = base == Q8_0 ? (uint8_t)(g[head + i] ^ 0x80) : g[head + i];
+    }
+  }
+}
+
+// Row j of a tile of nb blocks back to GGUF blocks (the inverse of tile_from_gguf for that row).
+inline void tile_row_to_gguf(int base, const uint8_t* tile, int64_t nb, int j, uint8_t* row) {
+  const int64_t gb = base == Q8_0 ? 34 : base == Q4_0 ? 18 : 20, head = base == Q4_1 ? 4 : 2;
+  const int codes = base == Q8_0 ? 32 : 16;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * tile_block_bytes(base);
+    const uint8_t* words = blk + tile_head_bytes(base);
+    uint8_t* g = row + b * gb;
+    std::memcpy(g, blk + 2 * j, 2);
+    if (base == Q4_1) std::memcpy(g + 2, blk + 32 + 2 * j, 2);
+    for (int i = 0; i < codes; ++i) {
+      const uint8_t u = words[64 * (i / 4) + 4 * j + i % 4];
+      g[head + i] = base == Q8_0 ? (uint8_t)(u ^ 0x80) : u;
+    }
+  }
+}
+
+// Row n of a matrix (N rows of row_bytes, type `type`) in quant.h's row layout of its format: a pointer into
+// w where it is not tiled, else the row rebuilt into buf (2 row_bytes, kept by the caller). For the readers
+// that take one row at a time: embedding lookups, dequantized tiles of prompt chunks, AMX panels.
+inline const uint8_t* row_layout(int type, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t K,
+                                 std::vector<uint8_t>& buf) {
+  if (!is_tiled(type)) return w + n * row_bytes;
+  const int base = base_type(type);
+  buf.resize(2 * row_bytes);
+  tile_row_to_gguf(base, w + n / kTileRows * kTileRows * row_bytes, K / QK, (int)(n % kTileRows), buf.data() + row_bytes);
+  repack_row(base, buf.data() + row_bytes, buf.data(), K);
+  return buf.data();
+}
+
+// The products of one tile (16 weight rows) with g input rows (1 <= g <= kRowGroup): out[16 r + j] for
+// input row r and weight row j of the tile.
+// ahead(bytes) is called before each block's bytes are read (a caller's prefetch walk keeps pace so).
+#ifdef TM_QUANT_VNNI
+template <int R, int BASE, typename Ahead>
+TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
+  constexpr int64_t head = BASE == Q4_1 ? 64 : 32, block = head + kTileRows * (BASE == Q8_0 ? 32 : 16);
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead(block);
+    const uint8_t* blk = tile + b * block;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    const uint8_t* w = blk + head;
+    __m512i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      // Two code vectors and the input words they multiply: Q8_0 words 2t and 2t + 1 (elements 8t..8t + 7);
+      // the 4-bit formats one vector's low nibbles (word t, elements 4t..) and high ones (elements 16 + 4t..).
+      __m512i c0, c1;
+      int i0, i1;
+      if constexpr (BASE == Q8_0) {
+        c0 = _mm512_loadu_si512(w + 128 * t), c1 = _mm512_loadu_si512(w + 128 * t + 64), i0 = 2 * t, i1 = 2 * t + 1;
+      } else {
+        const __m512i v = _mm512_loadu_si512(w + 64 * t);
+        c0 = _mm512_and_si512(v, m4), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), i0 = t, i1 = 4 + t;
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xw = (const int32_t*)(x[r].q + b * QK);
+        s0[r] = _mm512_dpbusd_epi32(s0[r], c0, _mm512_set1_epi32(xw[i0]));
+        s1[r] = _mm512_dpbusd_epi32(s1[r], c1, _mm512_set1_epi32(xw[i1]));
+      }
+    }
+    // d dx sum(c x), and the offsets through the inputs' block sums s = dx sum(x): Q8_0's codes are q + 128
+    // (-128 d s), Q4_0's q + 8 (-8 d s), Q4_1's w = d q + m (m s).
+    __m512 m;
+    if constexpr (BASE == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
+      if constexpr (BASE == Q4_1)
+        off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].s[b]), off[r]);
+      else
+        off[r] = _mm512_fmadd_ps(dw, _mm512_set1_ps((BASE == Q8_0 ? -128.f : -8.f) * x[r].s[b]), off[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(acc[r], off[r]));
+}
+#endif
+
+// The portable reference of tile_product: the same sums, lane by lane (not used where VNNI is: quant.py tiles
+// only there; kept so any build multiplies a tiled matrix correctly).
+inline void tile_product_portable(int base, const uint8_t* tile, int64_t nb, const QRow* x, int g, float* out) {
+  const int64_t head = tile_head_bytes(base), block = tile_block_bytes(base);
+  for (int r = 0; r < g; ++r)
+    for (int j = 0; j < kTileRows; ++j) {
+      float acc = 0.f, off = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = tile + b * block;
+        const uint8_t* w = blk + head;
+        const int8_t* xq = x[r].q + b * QK;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; ++i) {
+          int c;
+          if (base == Q8_0) c = w[64 * (i / 4) + 4 * j + i % 4];
+          else c = (w[64 * ((i % 16) / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 0xF;
+          sum += c * xq[i];
+        }
+        uint16_t dh, mh;
+        std::memcpy(&dh, blk + 2 * j, 2);
+        const float d = fp16(dh);
+        acc += (float)sum * (d * x[r].d[b]);
+        if (base == Q4_1) std::memcpy(&mh, blk + 32 + 2 * j, 2), off += fp16(mh) * x[r].s[b];
+        else off += d * ((base == Q8_0 ? -128.f : -8.f) * x[r].s[b]);
+      }
+      out[16 * r + j] = acc + off;
+    }
+}
+
+template <typename Ahead>
+inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, int g, float* out, const Ahead& ahead) {
+  const int base = base_type(type);
+#ifdef TM_QUANT_VNNI
+  auto run = [&](auto r) {
+    constexpr int R = decltype(r)::value;
+    switch (base) {
+      case Q8_0: return tile_product<R, Q8_0>(tile, nb, x, out, ahead);
+      case Q4_0: return tile_product<R, Q4_0>(tile, nb, x, out, ahead);
+      default: return tile_product<R, Q4_1>(tile, nb, x, out, ahead);
+    }
+  };
+  switch (g) {
+    case 1: return run(std::integral_constant<int, 1>());
+    case 2: return run(std::integral_constant<int, 2>());
+    case 3: return run(std::integral_constant<int, 3>());
+    default: return run(std::integral_constant<int, 4>());
+  }
+#else
+  ahead(nb * tile_block_bytes(base));
+  tile_product_portable(base, tile, nb, x, g, out);
+#endif
+}
+
+// Rows [n0, n1) of y = x W^T for a tiled W (row_bytes a row), M input rows: each tile once, every group of
+// up to kRowGroup input rows over it while it is in cache; a tile cut by n0 or n1 is computed whole and
+// only its rows in range kept. store(m, n, value) receives each product; ahead(bytes) as tile_product's, on
+// the first pass over each tile.
+template <typename Store, typename Ahead>
+inline void tiled_rows(int type, const uint8_t* w, int64_t row_bytes, const QRow* x, int64_t M, int64_t K, int64_t n0,
+                       int64_t n1, const Store& store, const Ahead& ahead) {
+  const int64_t nb = K / QK, tile_bytes = kTileRows * row_bytes;
+  float out[kTileRows * kRowGroup];
+  for (int64_t t = n0 / kTileRows; t * kTileRows < n1; ++t) {
+    const int64_t a = std::max(n0, t * kTileRows), b = std::min(n1, (t + 1) * kTileRows);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
+      const int g = (int)std::min<int64_t>(kRowGroup, M - m0);
+      if (m0 == 0)
+        tile_rows(type, w + t * tile_bytes, nb, x + m0, g, out, ahead);
+      else
+        tile_rows(type, w + t * tile_bytes, nb, x + m0, g, out, [](int64_t) {});
+      for (int r = 0; r < g; ++r)
+        for (int64_t n = a; n < b; ++n) store(m0 + r, n, out[16 * r + n - t * kTileRows]);
+    }
+  }
+}
+
+}  // namespace tmq
