@@ -91,6 +91,20 @@ def test_tiled_and_row_layouts_agree(kernels):
         torch.testing.assert_close(tiles, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prompt_rows_meet_the_same_dequantized_weights(kernels, dtype):
+    """A prompt's rows multiply the weights dequantized to their dtype: out of tiles, the same values as out
+    of rows, so the same products, bit for bit."""
+    rng = np.random.default_rng(9)
+    for qtype in TILE_TYPES:
+        data = random_blocks(qtype, 64, 640, rng)
+        x = torch.from_numpy(rng.standard_normal((5, 640)).astype(np.float32)).to(dtype)
+        rows = kernels.qmatmul(x, kernels.repack(torch.from_numpy(data), int(qtype), 640), int(qtype), 640,
+                               float_inputs=True)
+        tiles = kernels.qmatmul(x, tiled(kernels, qtype, data, 640), int(qtype) | quant.TILED, 640, float_inputs=True)
+        assert torch.equal(tiles, rows), qtype.name
+
+
 def test_which_matrices_are_tiled():
     """Whole tiles of a format with a tile kernel, where the CPU has VNNI (and no AMX); a stacked expert
     tensor only where each expert's rows are whole tiles; none after set_tiles(False)."""

@@ -453,18 +453,23 @@ inline void store16(float* y, __m128i bytes, __m512 scale, __m512 offset, bool s
 TM_INLINE __m128i q8_values(__m128i u) { return _mm_xor_si128(u, _mm_set1_epi8((char)0x80)); }
 TM_INLINE __m256i q8_values(__m256i u) { return _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); }
 
+// One block's 32 values from its codes (a Q8_0 block's 32 bytes as stored, q + 128; a 4-bit block's 16 bytes
+// in GGUF's order, with its fifth bits h where FIVE): the row and tile layouts' dequantizations share these.
+TM_INLINE void dequantize_block_q8_0(__m256i codes, float d, float* y) {
+  const __m512 db = _mm512_set1_ps(d);
+  for (int k = 0; k < 2; ++k) {
+    const __m128i q8 = q8_values(k ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes));
+    _mm512_storeu_ps(y + 16 * k, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))));
+  }
+}
+
 inline void dequantize_q8_0(const uint8_t* row, float* y, int64_t K) {
   const int64_t nb = K / QK;
   const uint16_t* d = (const uint16_t*)row;
   thread_local BlockCodes c;
   c.set(Q8_0, row + 2 * nb, nullptr, nb);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 db = _mm512_set1_ps(fp16(d[b]));
-    for (int k = 0; k < 2; ++k) {
-      __m128i q8 = q8_values(_mm_loadu_si128((const __m128i*)(c.block(b, 8) + 16 * k)));
-      _mm512_storeu_ps(y + b * QK + 16 * k, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))));
-    }
-  }
+  for (int64_t b = 0; b < nb; ++b)
+    dequantize_block_q8_0(_mm256_loadu_si256((const __m256i*)c.block(b, 8)), fp16(d[b]), y + b * QK);
 }
 
 // 32 bytes: byte i is 16 where bit i of h is set, else 0 (a block's fifth bits, in the place they take in q).
@@ -479,6 +484,21 @@ inline __m256i fifth_bits(const uint32_t* h) {
 
 // Q4_0: d (q - 8); Q4_1: d q + m; Q5_0: d (q - 16); Q5_1: d q + m, with q's fifth bit.
 template <bool HAS_MIN, bool FIVE>
+TM_INLINE void dequantize_block_q4_01(__m128i q, float d, float m, const uint32_t* h, float* y) {
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  __m128i lo16 = _mm_and_si128(q, m4), hi16 = _mm_and_si128(_mm_srli_epi16(q, 4), m4);  // elements 0-15, 16-31
+  const __m512 db = _mm512_set1_ps(d), mb = _mm512_set1_ps(m), bias = _mm512_set1_ps(FIVE ? 16.f : 8.f);
+  if (FIVE) {
+    const __m256i hb = fifth_bits(h);
+    lo16 = _mm_or_si128(lo16, _mm256_castsi256_si128(hb)), hi16 = _mm_or_si128(hi16, _mm256_extracti128_si256(hb, 1));
+  }
+  for (int k = 0; k < 2; ++k) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k ? hi16 : lo16));
+    _mm512_storeu_ps(y + 16 * k, HAS_MIN ? _mm512_add_ps(_mm512_mul_ps(db, v), mb) : _mm512_mul_ps(db, _mm512_sub_ps(v, bias)));
+  }
+}
+
+template <bool HAS_MIN, bool FIVE>
 inline void dequantize_q4_01(const uint8_t* row, float* y, int64_t K) {
   const int64_t nb = K / QK;
   const NibbleRow r(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
@@ -486,23 +506,9 @@ inline void dequantize_q4_01(const uint8_t* row, float* y, int64_t K) {
   const uint16_t* m = r.m;
   thread_local BlockCodes c;
   c.set(Q4_0, r.qs, FIVE ? r.qh : nullptr, nb);
-  const __m512 bias = _mm512_set1_ps(FIVE ? 16.f : 8.f), zero = _mm512_setzero_ps();
-  const __m128i m4 = _mm_set1_epi8(0xF);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
-    __m128i lo16 = _mm_and_si128(q, m4), hi16 = _mm_and_si128(_mm_srli_epi16(q, 4), m4);  // elements 0-15, 16-31
-    const __m512 db = _mm512_set1_ps(fp16(d[b]));
-    const __m512 mb = HAS_MIN ? _mm512_set1_ps(fp16(m[b])) : zero;
-    if (FIVE) {
-      const __m256i h = fifth_bits(&c.h[b]);
-      lo16 = _mm_or_si128(lo16, _mm256_castsi256_si128(h)), hi16 = _mm_or_si128(hi16, _mm256_extracti128_si256(h, 1));
-    }
-    float* yb = y + b * QK;
-    for (int k = 0; k < 2; ++k) {
-      __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k ? hi16 : lo16));
-      _mm512_storeu_ps(yb + 16 * k, HAS_MIN ? _mm512_add_ps(_mm512_mul_ps(db, v), mb) : _mm512_mul_ps(db, _mm512_sub_ps(v, bias)));
-    }
-  }
+  for (int64_t b = 0; b < nb; ++b)
+    dequantize_block_q4_01<HAS_MIN, FIVE>(_mm_loadu_si128((const __m128i*)c.block(b, 4)), fp16(d[b]),
+                                          HAS_MIN ? fp16(m[b]) : 0.f, FIVE ? &c.h[b] : nullptr, y + b * QK);
 }
 
 // Q4_K / Q5_K: (d sc_j) q - dmin m_j per 32-element sub-block j.
@@ -625,19 +631,35 @@ inline void store_lookup(uint16_t* y, __m256i idx8, __m512i table) {
   _mm512_storeu_si512((void*)y, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table));
 }
 
+// The bfloat16 values of one block (the codes as dequantize_block_q8_0's and dequantize_block_q4_01's).
+TM_INLINE void dequantize_bf16_block_q8_0(__m256i codes, float d, uint16_t* y) {
+  const __m512 db = _mm512_set1_ps(d);
+  for (int k = 0; k < 2; ++k) {
+    const __m128i q8 = q8_values(k ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes));
+    _mm256_storeu_si256((__m256i*)(y + 16 * k), bf16x16(_mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)))));
+  }
+}
+
 inline void dequantize_bf16_q8_0(const uint8_t* row, uint16_t* y, int64_t K) {
   const int64_t nb = K / QK;
   const uint16_t* d = (const uint16_t*)row;
   thread_local BlockCodes c;
   c.set(Q8_0, row + 2 * nb, nullptr, nb);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 db = _mm512_set1_ps(fp16(d[b]));
-    for (int k = 0; k < 2; ++k) {
-      const __m512 q =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8_values(_mm_loadu_si128((const __m128i*)(c.block(b, 8) + 16 * k)))));
-      _mm256_storeu_si256((__m256i*)(y + b * QK + 16 * k), bf16x16(_mm512_mul_ps(db, q)));
-    }
-  }
+  for (int64_t b = 0; b < nb; ++b)
+    dequantize_bf16_block_q8_0(_mm256_loadu_si256((const __m256i*)c.block(b, 8)), fp16(d[b]), y + b * QK);
+}
+
+// Q4_0: d q - 8 d, equal to the float path's d (q - 8): every product here is exact in float32 (an 11-bit
+// scale times a 4- or 5-bit integer), so the difference is too (Q5_0: d q - 16 d). Q4_1, Q5_1: d q + m.
+template <bool HAS_MIN, bool FIVE>
+TM_INLINE void dequantize_bf16_block_q4_01(__m128i q, float d, float m, const uint32_t* h, uint16_t* y) {
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  const float off = HAS_MIN ? m : (FIVE ? 16.f : 8.f) * d;
+  const __m512i table = FIVE ? table32(d, off, !HAS_MIN) : table16(d, off, !HAS_MIN);
+  __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
+                                        _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+  if (FIVE) idx = _mm256_or_si256(idx, fifth_bits(h));
+  store_lookup(y, idx, table);
 }
 
 template <bool HAS_MIN, bool FIVE>
@@ -646,19 +668,9 @@ inline void dequantize_bf16_q4_01(const uint8_t* row, uint16_t* y, int64_t K) {
   const NibbleRow r(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
   thread_local BlockCodes c;
   c.set(Q4_0, r.qs, FIVE ? r.qh : nullptr, nb);
-  const __m128i m4 = _mm_set1_epi8(0xF);
-  // Q4_0: d q - 8 d, equal to the float path's d (q - 8): every product here is exact in float32 (an 11-bit
-  // scale times a 4- or 5-bit integer), so the difference is too (Q5_0: d q - 16 d). Q4_1, Q5_1: d q + m.
-  for (int64_t b = 0; b < nb; ++b) {
-    const float db = fp16(r.d[b]), bias = FIVE ? 16.f : 8.f;
-    const float off = HAS_MIN ? fp16(r.m[b]) : bias * db;
-    const __m512i table = FIVE ? table32(db, off, !HAS_MIN) : table16(db, off, !HAS_MIN);
-    const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
-    __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
-                                          _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
-    if (FIVE) idx = _mm256_or_si256(idx, fifth_bits(&c.h[b]));
-    store_lookup(y + b * QK, idx, table);
-  }
+  for (int64_t b = 0; b < nb; ++b)
+    dequantize_bf16_block_q4_01<HAS_MIN, FIVE>(_mm_loadu_si128((const __m128i*)c.block(b, 4)), fp16(r.d[b]),
+                                               HAS_MIN ? fp16(r.m[b]) : 0.f, FIVE ? &c.h[b] : nullptr, y + b * QK);
 }
 
 template <bool FIVE>

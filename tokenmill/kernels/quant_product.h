@@ -121,20 +121,25 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
                                 torch::Tensor& y) {
   const int64_t K = x.size(1);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(kDequantTileRows, kDequantTileFloats / K));
+  int64_t tile = std::min<int64_t>(N, std::max<int64_t>(kDequantTileRows, kDequantTileFloats / K));
+  if (is_tiled(type)) tile = tile / kTileRows * kTileRows;  // (whole tiles of rows: N is)
   thread_local std::vector<float> scratch;  // kept between calls: a fresh one would fault its pages in
   scratch.resize(bf16 ? (tile * K + 1) / 2 : tile * K);
   void* buf = scratch.data();  // (the worker threads below have row buffers of their own)
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t rows = std::min(tile, N - n0);
     for_tiles((rows + 15) / 16, [&](int64_t t) {
-      thread_local std::vector<uint8_t> row_buf;
+      if (is_tiled(type)) {
+        const uint8_t* tw = w + (n0 + t * 16) * row_bytes;
+        if (bf16) dequantize_tile(type, tw, K / QK, (uint16_t*)buf + t * 16 * K, K);
+        else dequantize_tile(type, tw, K / QK, (float*)buf + t * 16 * K, K);
+        return;
+      }
       for (int64_t n = t * 16; n < std::min(rows, t * 16 + 16); ++n) {
-        const uint8_t* row = row_layout(type, w, row_bytes, n0 + n, K, row_buf);
         if (bf16)
-          dequantize_row_bf16(base_type(type), row, (uint16_t*)buf + n * K, K);
+          dequantize_row_bf16(type, w + (n0 + n) * row_bytes, (uint16_t*)buf + n * K, K);
         else
-          dequantize_row(base_type(type), row, (float*)buf + n * K, K);
+          dequantize_row(type, w + (n0 + n) * row_bytes, (float*)buf + n * K, K);
       }
     });
     auto wt = torch::from_blob(buf, {rows, K}, x.options());

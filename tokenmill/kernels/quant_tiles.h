@@ -83,6 +83,48 @@ inline const uint8_t* row_layout(int type, const uint8_t* w, int64_t row_bytes, 
   return buf.data();
 }
 
+// The values of a tile's 16 rows (nb blocks each) into y (row j at y + j ldy), float32 or bfloat16 (T =
+// float or uint16_t): the prompt path's dequantized weight tiles. Each value as the row layout's
+// dequantize_row(_bf16) gives it (the same per-block code).
+template <typename T>
+inline void dequantize_tile(int type, const uint8_t* tile, int64_t nb, T* y, int64_t ldy) {
+  const int base = base_type(type);
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+  const int64_t head = tile_head_bytes(base), block = tile_block_bytes(base);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * block;
+    const uint16_t* d = (const uint16_t*)blk;
+    const uint16_t* m = (const uint16_t*)(blk + 32);
+    auto out = [&](int j) { return y + j * ldy + b * QK; };
+    if (base == Q8_0) {
+      group_blocks_each<8>(blk + head, [&](int j, __m256i v) {
+        if constexpr (std::is_same_v<T, float>) dequantize_block_q8_0(v, fp16(d[j]), out(j));
+        else dequantize_bf16_block_q8_0(v, fp16(d[j]), out(j));
+      });
+    } else {
+      group_blocks_each<4>(blk + head, [&](int j, __m128i v) {
+        const float mj = base == Q4_1 ? fp16(m[j]) : 0.f;
+        if constexpr (std::is_same_v<T, float>) {
+          if (base == Q4_1) dequantize_block_q4_01<true, false>(v, fp16(d[j]), mj, nullptr, out(j));
+          else dequantize_block_q4_01<false, false>(v, fp16(d[j]), mj, nullptr, out(j));
+        } else {
+          if (base == Q4_1) dequantize_bf16_block_q4_01<true, false>(v, fp16(d[j]), mj, nullptr, out(j));
+          else dequantize_bf16_block_q4_01<false, false>(v, fp16(d[j]), mj, nullptr, out(j));
+        }
+      });
+    }
+  }
+#else
+  const int64_t K = nb * QK, row_bytes = nb * tile_block_bytes(base) / kTileRows;
+  std::vector<uint8_t> buf;
+  for (int j = 0; j < kTileRows; ++j) {
+    const uint8_t* row = row_layout(type, tile, row_bytes, j, K, buf);
+    if constexpr (std::is_same_v<T, float>) dequantize_row(base, row, y + j * ldy, K);
+    else dequantize_row_bf16(base, row, y + j * ldy, K);
+  }
+#endif
+}
+
 // The products of one tile (16 weight rows) with g input rows (1 <= g <= kRowGroup): out[16 r + j] for
 // input row r and weight row j of the tile.
 // ahead(bytes) is called before each block's bytes are read (a caller's prefetch walk keeps pace so).
