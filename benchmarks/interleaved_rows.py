@@ -1,7 +1,8 @@
-"""A measured prototype: weight rows interleaved by 16 (a vector's lanes are 16 weight rows) against the
-engine's layout (lanes are 16 blocks of one row), for Q8_0 and Q4_1 products of 1-8 input rows on one
-thread. See interleaved_rows.cpp for the layout. Builds it with g++ -O3 -march=native (AVX-512 VNNI
-needed) and runs it on the default model's shapes: its layers' Q4_1 matrices, its Q8_0 output layer
+"""The engine's two layouts of Q8_0 and Q4_1 weights, on one thread and without the engine around them:
+rows interleaved by 16 (kernels/quant_tiles.h: a vector's lanes are 16 weight rows; the engine's layout for
+such matrices where the CPU has AVX-512 VNNI) against the row layout (kernels/quant.h: lanes are 16 blocks
+of one row), products of 1-8 input rows. Builds interleaved_rows.cpp with g++ -O3 -march=native (AVX-512
+VNNI needed) and runs it on the default model's shapes: its layers' Q4_1 matrices, its Q8_0 output layer
 (1024 rows, in cache, and all 49152, from memory) and Gemma 3 270M's 640-wide Q8_0 output layer rows; then
 every product of one decode step of the default model's shapes in turn (30 layers and the output layer,
 96 MB of random blocks, from memory), as a step with 1-8 query rows would take them.
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--inputs", nargs="+", default=["1", "2", "4", "8"])
     args = ap.parse_args()
     if "avx512_vnni" not in open("/proc/cpuinfo").read():
-        sys.exit("the prototype needs AVX-512 VNNI")
+        sys.exit("the tile kernels need AVX-512 VNNI")
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "interleaved_rows")
         subprocess.run(["g++", "-O3", "-march=native", "-std=c++17", f"-I{KERNELS}",

@@ -11,7 +11,7 @@ from tokenmill.kernels import quant  # noqa: E402
 from tests.test_quant_kernels import kernels, quantized_activation, random_blocks  # noqa: E402,F401
 
 T = gguf.GGMLQuantizationType
-TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
+TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 SHAPES = [(16, 32), (48, 576), (32, 1120), (64, 1536)]  # rows of 1, 18, 35 and 48 blocks
 
 
