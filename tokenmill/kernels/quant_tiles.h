@@ -1,5 +1,5 @@
-// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 blocks, for the byte products of
-// a few input rows (decode, speculative verify steps, small batches).
+// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 blocks, for the byte
+// products of a few input rows (decode, speculative verify steps, small batches).
 //
 // In the row layout (quant.h) a vector's 16 int32 lanes are 16 blocks of one weight row: each pair of weight
 // row and input row ends in its own conversion, scaling and horizontal sum, and on short rows (the default
@@ -14,8 +14,8 @@
 // tile holds the same bytes as its 16 rows of GGUF blocks: a matrix keeps its size, and rows [16t, 16t + 16)
 // keep their byte range. An input row's 4-byte word is broadcast to every lane: one vpdpbusd takes 4 values
 // of 16 weight rows, a block's sums are converted and scaled once for 16 rows, no row ends in a horizontal
-// sum, and each weight vector serves every input row of the pass (benchmarks/interleaved_rows.py measured
-// this layout before it was the engine's).
+// sum, and each weight vector serves every input row of the pass (benchmarks/interleaved_rows.py times it
+// against the row layout).
 //
 // A tiled matrix's type id is its format's with kTiled set, so that the layout travels wherever the type
 // does. Only matrices of whole tiles (rows a multiple of 16) are tiled, and only where the kernels take
@@ -90,7 +90,7 @@ inline void tile_row_to_gguf(int base, const uint8_t* tile, int64_t nb, int j, u
 
 // Row n of a matrix (N rows of row_bytes, type `type`) in quant.h's row layout of its format: a pointer into
 // w where it is not tiled, else the row rebuilt into buf (2 row_bytes, kept by the caller). For the readers
-// that take one row at a time: embedding lookups, dequantized tiles of prompt chunks, AMX panels.
+// that take one row at a time: embedding lookups, the reference dequantization, builds without AVX-512.
 inline const uint8_t* row_layout(int type, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t K,
                                  std::vector<uint8_t>& buf) {
   if (!is_tiled(type)) return w + n * row_bytes;
