@@ -335,3 +335,40 @@ def test_unsupported_architecture_lists_the_moe_ones(folders, tmp_path):
                                          r"MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
                                          r"Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         LLM(str(folder), dtype="float32")
+
+
+def test_experts_of_rows_that_are_not_whole_tiles(tmp_path):
+    """Experts of 24 rows, their gate and up stacked 8 to a Q8_0 tensor (192 rows: whole tiles of 16, each
+    expert's slice not; down kept F32, its 24-wide rows no blocks of 32): the stacked tensors keep the row
+    layout, so that every expert's slice is a matrix of its own, and the logprobs agree with the file
+    dequantized."""
+    pytest.importorskip("gguf")
+    from transformers import Qwen3MoeConfig
+
+    from tests.conftest import save_tiny_models
+    from tests.gguf_models import write_llama_gguf
+    from tokenmill.kernels import quant
+
+    if quant.load() is None:
+        pytest.skip("the quantized-weight kernels could not be built here")
+
+    def configs(vocab):
+        return {"qwen3-moe-24": Qwen3MoeConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2,
+            eos_token_id=2, bos_token_id=1, pad_token_id=0, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=24, norm_topk_prob=True)}
+
+    folder = save_tiny_models(tmp_path, configs)["qwen3-moe-24"]
+    path = write_llama_gguf(tmp_path / "moe24-q8.gguf", folder,
+                            lambda name: "F32" if "ffn_down_exps" in name else "Q8_0")
+    prompts = _prompts(folder)[:4]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    want = LLM(path, dtype="float32", quantization="none").generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, dtype="float32")
+    experts = llm.engine.model.layers[0].mlp.experts
+    assert [w.shape for w in experts.qparts] == [(8 * 24, 64)] * 2 and not any(w.tiled for w in experts.qparts)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, g, w in zip(prompts, got, want):
+        for tok, lg, lw in zip(prompt[1:], g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 0.1

@@ -456,8 +456,9 @@ def iter_weights(reader, config: dict, keep: set[str] = frozenset(), place: dict
                                                shape, block, block_bytes)
             data = torch.from_numpy(np.array(rows, copy=True, order="C"))
             out = (place or {}).get(hf)
-            # (a stacked expert tensor, [experts, rows, cols], is sliced by expert: tiled only by whole tiles)
-            tile_rows = int(t.shape[1]) if len(t.shape) == 3 else None
+            # (a stacked expert tensor, [experts, rows, cols], is sliced by expert, after any shard's cut:
+            # tiled only where each expert's rows are whole tiles)
+            tile_rows = shape[0] // int(t.shape[2]) if len(t.shape) == 3 else None
             yield hf, QuantizedWeight.from_blocks(int(t.tensor_type), shape, data, name=t.name, out=out,
                                                   tile_rows=tile_rows)
             continue
