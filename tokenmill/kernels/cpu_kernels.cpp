@@ -1144,9 +1144,7 @@ Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
       p.row_bytes = K * (int64_t)sizeof(T);
     } else {
       tmq::Format f;
-      const int base = tmq::base_type((int)type);
-      TORCH_CHECK(tmq::format_of(base, f) && (!tmq::is_tiled((int)type) || tmq::can_tile(base)), name,
-                  ": quantized type ", type, " has no kernel");
+      TORCH_CHECK(tmq::kernel_format_of((int)type, f), name, ": quantized type ", type, " has no kernel");
       TORCH_CHECK(!tmq::is_tiled((int)type) || t.size(0) % tmq::kTileRows == 0, name, ": a tiled part has whole tiles of rows");
       TORCH_CHECK(K % f.block == 0 && t.scalar_type() == torch::kUInt8 && t.size(1) == K / f.block * f.bytes, name,
                   ": a type ", type, " part must be uint8 [rows, ", K / f.block * f.bytes, "]");

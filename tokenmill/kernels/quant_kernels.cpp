@@ -13,8 +13,7 @@ namespace {
 
 tmq::Format checked_format(int64_t type, int64_t K, const torch::Tensor& w) {
   tmq::Format f;
-  TORCH_CHECK(tmq::format_of(tmq::base_type((int)type), f) && (!tmq::is_tiled((int)type) || tmq::can_tile(tmq::base_type((int)type))),
-              "quantized weight type ", type, " has no kernel");
+  TORCH_CHECK(tmq::kernel_format_of((int)type, f), "quantized weight type ", type, " has no kernel");
   TORCH_CHECK(K > 0 && K % f.block == 0, "row length ", K, " is not a multiple of the block size ", f.block);
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
               "quantized weight must be a contiguous uint8 CPU tensor [rows, bytes per row]");

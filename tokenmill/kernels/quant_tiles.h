@@ -34,6 +34,12 @@ inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int base_type(int type) { return type & ~kTiled; }
 inline bool can_tile(int type) { return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1; }
 
+// format_of for a type id that may carry kTiled: its format's blocks, where the format has kernels (and,
+// tiled, a tile kernel).
+inline bool kernel_format_of(int type, Format& f) {
+  return format_of(base_type(type), f) && (!is_tiled(type) || can_tile(base_type(type)));
+}
+
 // Where a tile block's parts lie, and a GGUF block's. A tile block: [16 scales d] ([16 offsets m]) ([16 x 4
 // bytes of fifth bits]) [code words]; a GGUF block: d (m) (qh) codes.
 struct TileFormat {
