@@ -422,6 +422,55 @@ def test_connection_cap_and_slow_headers(tiny_models):
         assert srv.stop() == 0
 
 
+def _request_on(sock: socket.socket, path: str = "/health") -> bytes:
+    """One GET on a kept-alive connection; the whole response (its body is a small JSON object)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    sock.settimeout(15)
+    answer = b""
+    while not answer.endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+def test_kept_alive_connection_outlives_clients_pool_expiry(server):
+    """httpx (and so the openai client) keeps an idle connection for 5 s. A server that closed idle
+    connections after 5 s too would close each one just before its client gives it up: a request sent at that
+    moment meets a closing connection and fails with a read error. The server must keep them longer."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        assert _request_on(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(5.5)
+        answer = _request_on(sock)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+def test_idle_connection_gives_way_at_the_cap(tiny_models):
+    """At --max-connections, a new connection closes the kept-alive connection idle the longest instead of
+    getting a 503; connections in the middle of a request are never closed for it."""
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--max-connections", "3")
+    try:
+        first, second = (socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2))
+        for sock in (first, second):
+            assert _request_on(sock).startswith(b"HTTP/1.1 200")
+            time.sleep(0.1)
+        busy = socket.create_connection(("127.0.0.1", srv.port))
+        busy.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # mid-request: half its headers
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", srv.port)) as newcomer:
+            assert _request_on(newcomer).startswith(b"HTTP/1.1 200")
+        assert _read_all(first, timeout=5) == b""  # closed, without a response
+        assert _request_on(second).startswith(b"HTTP/1.1 200")  # still open
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'tokenmill:connections_closed_idle_total{model_name="llama"} 1.0' in text, text
+        assert "connections_refused_total" not in text or 'reason="max_connections"} 1.0' not in text
+        for sock in (first, second, busy):
+            sock.close()
+    finally:
+        assert srv.stop() == 0
+
+
 def test_prefix_cache_reported(server):
     long_prompt = " ".join(PROMPTS) * 2
     body = {"prompt": long_prompt, "max_tokens": 2, "temperature": 0}

@@ -162,9 +162,10 @@ class BodyLimits:
 
 def _guarded_protocol(state: ServerState, max_connections: int, header_timeout: float):
     """uvicorn's HTTP protocol (httptools where installed, else h11) with two guards for the file
-    descriptors: connections past max_connections get a 503 and are closed at once, and a connection whose
-    first request headers have not arrived within header_timeout seconds gets a 408 and is closed (the
-    body has its own timeout in BodyLimits)."""
+    descriptors: past max_connections, a new connection closes the kept-alive connection idle the longest,
+    or, where every connection is busy with a request, gets a 503 and is closed at once; and a connection
+    whose first request headers have not arrived within header_timeout seconds gets a 408 and is closed
+    (the body has its own timeout in BodyLimits)."""
     try:
         import httptools  # noqa: F401
 
@@ -184,11 +185,26 @@ def _guarded_protocol(state: ServerState, max_connections: int, header_timeout: 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._headers_timer = None
-            if len(self.connections) > max_connections:
+            if len(self.connections) > max_connections and not self._close_longest_idle():
                 refuse(transport, 503, "max_connections",
                        f"too many open connections (at most {max_connections}); retry shortly")
                 return
             self._arm()
+
+        def _close_longest_idle(self) -> bool:
+            """At the cap, a kept-alive connection waiting for its next request gives way to a new one (its
+            client reconnects when it has a request); one that is mid-request never does."""
+            idle = [c for c in self.connections if c is not self and c.timeout_keep_alive_task is not None
+                    and not c.transport.is_closing()]
+            if not idle:
+                return False
+            longest = min(idle, key=lambda c: c.timeout_keep_alive_task.when())
+            longest.timeout_keep_alive_task.cancel()
+            longest.timeout_keep_alive_task = None
+            longest.transport.close()
+            self.connections.discard(longest)
+            state.metrics.closed_idle_connections.inc()
+            return True
 
         def data_received(self, data: bytes) -> None:
             if self._headers_timer is None and (self.cycle is None or self.cycle.response_complete):
@@ -489,6 +505,7 @@ def make_server(app, state, args):
     config = uvicorn.Config(BodyLimits(app, args.max_body_bytes, args.body_read_timeout), host=args.host,
                             port=args.port, log_level=args.log_level.lower(),
                             http=_guarded_protocol(state, args.max_connections, args.body_read_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=int(args.shutdown_timeout + _CUT_OFF_GRACE_S + 0.999),
                             access_log=False)
     _raise_open_files_limit(args.max_connections)

@@ -22,7 +22,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request's headers, and then its body, may take to arrive before a 408 "
                         "(default 30)")
     g.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections beyond which new ones get 503 and are closed (default 1024)")
+                   help="open connections beyond which a new one closes the connection idle the longest, or, "
+                        "where none is idle, gets 503 and is closed (default 1024)")
+    g.add_argument("--keep-alive-timeout", type=float, default=120.0,
+                   help="seconds an idle kept-alive connection stays open; longer than clients keep idle "
+                        "connections in their pools (httpx and the openai client 5, aiohttp 15, Go 90), so that "
+                        "the client closes first and never sends a request on a connection being closed "
+                        "(default 120)")
     g.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context length)")
     g.add_argument("--allow-request-chat-template", action="store_true",

@@ -61,6 +61,9 @@ class FrontMetrics:
         self.refused_connections = Counter("tokenmill:front_connections_refused", "Connections refused by the "
                                            "front at --max-connections, or closed because their request headers "
                                            "did not arrive in time.", ["model_name", "reason"], registry=r)
+        self.closed_idle_connections = Counter("tokenmill:front_connections_closed_idle", "Kept-alive connections, "
+                                               "idle between requests, closed by the front at --max-connections "
+                                               "to admit a new one.", ["model_name"], registry=r).labels(model_name)
 
     def label(self, metric, replica: int):
         return metric.labels(self.model_name, str(replica))

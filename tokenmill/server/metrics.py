@@ -39,6 +39,8 @@ class ServerMetrics:
         self.refused_connections = counter("connections_refused", "Connections refused at --max-connections, "
                                            "or closed because their request headers did not arrive in time.",
                                            ["reason"])
+        self.closed_idle_connections = counter("connections_closed_idle", "Kept-alive connections, idle between "
+                                               "requests, closed at --max-connections to admit a new one.")
         self.aborted = counter("requests_aborted", "Requests aborted (client gone, shutdown or error).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
