@@ -62,3 +62,86 @@ def test_the_engine_loop_releases_freed_heap_while_it_steps(tiny_models, monkeyp
     assert len(asyncio.run(run(3600.0)).outputs[0].token_ids) == 16 and not calls  # not before its interval
     asyncio.run(run(0.0))
     assert calls  # after each of its steps (or bursts of steps), at a zero interval
+
+
+_THREADS_THAT_ALLOCATE = r"""
+import ctypes, importlib.util, sys, threading
+
+spec = importlib.util.spec_from_file_location("memory", sys.argv[1])  # alone: importing tokenmill starts threads
+memory = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(memory)
+if sys.argv[2] == "one":
+    assert memory.one_malloc_arena()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+together = threading.Barrier(5)
+
+
+def work():
+    block = libc.malloc(4096)
+    together.wait()  # all alive at once: no thread hands its arena on to the next
+    libc.free(ctypes.c_void_p(block))
+
+
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads:
+    t.start()
+together.wait()
+for t in threads:
+    t.join()
+libc.malloc_stats()  # to stderr: "Arena 0:", "Arena 1:", ...
+"""
+
+
+def _arenas(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _THREADS_THAT_ALLOCATE, memory.__file__, mode], capture_output=True,
+                         text=True, check=True)
+    return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or memory._malloc_trim() is None, reason="glibc's malloc")
+def test_one_malloc_arena_keeps_new_threads_on_the_main_arena():
+    assert _arenas("default") >= 3  # glibc gives each new thread an arena of its own, up to 8 per CPU
+    assert _arenas("one") == 1
+
+
+def _glibc_heaps(pid: int) -> int:
+    """The heaps of a process's other malloc arenas: anonymous read-write mappings that start on a 64 MiB
+    boundary and, with the inaccessible reserve after them, span 64 MiB."""
+    maps = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            maps.append((start, end, fields[1], fields[4] == "0" and len(fields) == 5))
+    heaps = 0
+    for (start, end, perm, anon), following in zip(maps, maps[1:] + [None]):
+        if anon and perm.startswith("rw") and start % (64 << 20) == 0:
+            span = end - start
+            if following is not None and following[0] == end and following[2].startswith("---") and following[3]:
+                span = following[1] - start
+            heaps += span == 64 << 20
+    return heaps
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or memory._malloc_trim() is None, reason="glibc's malloc")
+def test_a_server_keeps_its_threads_on_the_main_arena(tiny_models):
+    """release_freed_heap reaches all free memory of the main arena only: a server's threads (the engine's,
+    the kernels', the event loop's executor) must not allocate from arenas of their own."""
+    import httpx
+
+    from tests.server_utils import ServerProcess
+
+    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32")
+    try:
+        def ask(i):
+            body = {"prompt": "tell me " * (i + 1), "max_tokens": 8, "stream": i % 2 == 0}
+            return httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(ask, range(12))) == [200] * 12
+        assert _glibc_heaps(srv.proc.pid) == 0
+    finally:
+        assert srv.stop() == 0

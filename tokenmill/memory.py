@@ -6,6 +6,13 @@ block freed so far, so once a long prompt has passed, the temporaries of later s
 in the sizes each batch and chunk length asks for, and free runs between live blocks stay resident.
 malloc_trim(0) gives the pages inside free runs back (madvise) and keeps the heaps as they are. Under the
 soak's load on the default model it takes ~3 ms; what it changes in the soak's RSS is in docs/benchmarks.md.
+
+It shrinks only the main arena's top, though: each other arena (glibc gives new threads arenas of their own,
+up to 8 per CPU) keeps the free memory at its top, up to the trim threshold, which rises with the largest
+temporaries to tens of MiB. A server whose threads are started later (the engine's, the kernels', the
+tokenizer's, the event loop's executor) so kept some tens of MiB more after each new pattern of load, until
+it had met them all. A server process therefore keeps every thread on the main arena (one_malloc_arena);
+threads' small allocations still come from their own caches, without the arena's lock.
 """
 
 from __future__ import annotations
@@ -13,14 +20,34 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_M_ARENA_MAX = -8  # mallopt's parameter number
+
+
+def one_malloc_arena() -> bool:
+    """Let threads that allocate for the first time after this call share the main malloc arena, where
+    release_freed_heap reaches all of the free memory (glibc only: True where it took effect). Call it before
+    the process starts its threads; TOKENMILL_MALLOC_ARENAS=default keeps glibc's choice."""
+    if os.environ.get("TOKENMILL_MALLOC_ARENAS", "one") == "default":
+        return False
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    return mallopt is not None and getattr(libc, "malloc_trim", None) is not None and mallopt(_M_ARENA_MAX, 1) == 1
 
 
 @functools.cache
 def _malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        return None
+    return getattr(_libc(), "malloc_trim", None)  # None where not glibc: nothing to do
 
 
 def release_freed_heap() -> None:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestCutOffError
+from tokenmill.memory import one_malloc_arena
 from tokenmill.server import dashboard
 from tokenmill.server.logprobs import TokenText
 from tokenmill.server.metrics import ServerMetrics
@@ -515,6 +516,7 @@ def make_server(app, state, args):
 
 def run_server(args) -> int:
     """Run `tokenmill serve` until SIGTERM / Ctrl-C (exit 0) or an engine failure (exit 1)."""
+    one_malloc_arena()  # before the server's threads start: see tokenmill.memory
     if getattr(args, "data_parallel_size", 1) > 1:
         from tokenmill.server.data_parallel import run_front
 
