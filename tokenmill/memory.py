@@ -9,10 +9,10 @@ soak's load on the default model it takes ~3 ms; what it changes in the soak's R
 
 It shrinks only the main arena's top, though: each other arena (glibc gives new threads arenas of their own,
 up to 8 per CPU) keeps the free memory at its top, up to the trim threshold, which rises with the largest
-temporaries to tens of MiB. A server whose threads are started later (the engine's, the kernels', the
-tokenizer's, the event loop's executor) so kept some tens of MiB more after each new pattern of load, until
-it had met them all. A server process therefore keeps every thread on the main arena (one_malloc_arena);
-threads' small allocations still come from their own caches, without the arena's lock.
+temporaries to tens of MiB. In a server, whose threads (the engine's, the kernels', the event loop's executor)
+each had an arena, one such arena held 55 MiB more to the end of a short soak, through every trim. A server
+process therefore keeps every thread on the main arena (one_malloc_arena); threads' small allocations still
+come from their own caches, without the arena's lock.
 """
 
 from __future__ import annotations
