@@ -4,7 +4,8 @@ the unpadded results, and many prompt lengths no longer grow the process."""
 
 from __future__ import annotations
 
-import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -71,29 +72,42 @@ def test_padded_prompt_attention_equals_unpadded(n, context):
     torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
 
 
-def _rss_mib() -> float:
+_PROMPT_LENGTHS = r"""
+import random, sys
+from tokenmill import LLM, SamplingParams
+
+
+def rss_mib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+
+llm = LLM(sys.argv[1], dtype="bfloat16", enable_prefix_caching=False, max_model_len=512)
+rng = random.Random(0)
+params = SamplingParams(max_tokens=1, temperature=0)
+vocab = llm.get_tokenizer().vocab_size
+
+
+def run(lengths):
+    for n in lengths:
+        llm.generate([[rng.randrange(3, vocab) for _ in range(n)]], params, use_tqdm=False)
+
+
+lengths = rng.sample(range(16, 500), 240)
+run(lengths[:120])  # meets the bounded set of shapes (and warms the allocator)
+before = rss_mib()
+run(lengths[120:])  # 120 lengths not met before
+print(rss_mib() - before)
+"""
 
 
 @pytest.mark.slow
 def test_many_prompt_lengths_do_not_grow_the_process(tiny_models):
     """120 prompts, every one a new length, on a bfloat16 model: before, each new length left compiled
     kernels behind (+1-2 MiB a length measured on an AMX CPU); now the growth stops once the bounded set of
-    shapes has been met."""
-    from tokenmill import LLM, SamplingParams
-
-    llm = LLM(tiny_models["llama"], dtype="bfloat16", enable_prefix_caching=False, max_model_len=512)
-    rng = random.Random(0)
-    params = SamplingParams(max_tokens=1, temperature=0)
-    vocab = llm.get_tokenizer().vocab_size
-
-    def run(lengths):
-        for n in lengths:
-            llm.generate([[rng.randrange(3, vocab) for _ in range(n)]], params, use_tqdm=False)
-
-    lengths = rng.sample(range(16, 500), 240)
-    run(lengths[:120])  # meets the bounded set of shapes (and warms the allocator)
-    before = _rss_mib()
-    run(lengths[120:])  # 120 lengths not met before
-    assert _rss_mib() - before < 20
+    shapes has been met. In a process of its own: in the test session's process, after the earlier tests, the
+    same prompts once grew it 51 MiB (a Zen 5 EPYC, no AMX) while alone they stay within the bound; the
+    session's history is not what this test measures."""
+    out = subprocess.run([sys.executable, "-c", _PROMPT_LENGTHS, tiny_models["llama"]], capture_output=True,
+                         text=True, check=True)
+    assert float(out.stdout.split()[-1]) < 20, out.stdout
