@@ -38,11 +38,9 @@ def one_malloc_arena() -> bool:
     """Let threads that allocate for the first time after this call share the main malloc arena, where
     release_freed_heap reaches all of the free memory (glibc only: True where it took effect). Call it before
     the process starts its threads; TOKENMILL_MALLOC_ARENAS=default keeps glibc's choice."""
-    if os.environ.get("TOKENMILL_MALLOC_ARENAS", "one") == "default":
+    if os.environ.get("TOKENMILL_MALLOC_ARENAS", "one") == "default" or _malloc_trim() is None:  # not glibc
         return False
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
-    return mallopt is not None and getattr(libc, "malloc_trim", None) is not None and mallopt(_M_ARENA_MAX, 1) == 1
+    return _libc().mallopt(_M_ARENA_MAX, 1) == 1
 
 
 @functools.cache
