@@ -83,6 +83,39 @@ def test_proposals_only_while_the_step_has_room(tiny_models):
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_a_batch_of_eight_gets_proposals_up_to_the_fused_decoders_team(tiny_models, arch):
+    """The room for proposals is the fused decoder's team (one parallel region, each weight read once):
+    eight decoding requests of a dense model still get proposals, verified in that one region, and the
+    outputs are those without speculation. A mixture of experts' team is 8 rows, so none there."""
+    folder = tiny_models[arch]
+    prompts = PROMPTS  # eight
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base = LLM(folder, dtype="float32")
+    ref = _tokens(base.generate(prompts, sp))
+    llm = LLM(folder, dtype="float32", speculative_config=NGRAM)
+    engine = llm.engine
+    engine.proposer = Oracle({tuple(i): r for i, r in zip(_ids(base, prompts), ref)}, engine.vocab_size, spoil=0.0)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    outs, full_steps = {}, []  # proposals of the steps that verify eight decoding requests
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = list(out.outputs[0].token_ids)
+        sched = engine.last_step
+        if len(sched.scheduled) == 8 and all(s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids)
+                                             for s in sched.scheduled):
+            full_steps.append(sum(len(s.spec_token_ids) for s in sched.scheduled))
+    assert [outs[str(i)] for i in range(len(prompts))] == ref
+    team = engine.model._fused[1].team_rows()  # the decoder the steps ran through
+    assert engine.spec_rows == team == (8 if arch == "mixtral" else 32)
+    if arch == "mixtral":
+        assert not any(full_steps)
+    else:
+        assert max(full_steps) > 0 and 8 + max(full_steps) <= team
+
+
 MODES = {
     "batched": dict(block_size=4),
     "chunked": dict(block_size=4, max_num_batched_tokens=12, long_prefill_token_threshold=6),

@@ -120,11 +120,12 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         spec = config.speculative_config
         self.spec_stats = SpecStats()
-        # Query rows a decode step may hold with proposals in it. On the CPU, the fused decoder's one pass
-        # over the weights serves up to max_gemv_rows rows; a step past that is compute-bound, and its
-        # proposals cost more than they save (a batch of 8 with 3 proposals each: 0.8-0.9x). Fewer rows
-        # than running decodes: no proposals at all.
-        self.spec_rows = cpu_kernels.max_gemv_rows() if self.device.type == "cpu" else 256
+        # Query rows a decode step may hold with proposals in it. On the CPU, the fused decoder's team: one
+        # parallel region, each weight read once, for all of them (past it a step goes product by product).
+        # Within that, how many proposals pay is the step's measured cost by rows (plan_drafts): a request's
+        # verify rows share its KV, so where attention over long contexts is much of a step, they cost far
+        # less than its first row. Fewer rows than running decodes: no proposals at all.
+        self.spec_rows = cpu_kernels.max_team_rows(moe=mcfg.moe is not None) if self.device.type == "cpu" else 256
         self.proposer = make_proposer(spec, self) if spec is not None else None
         self.step_cost = StepCost()  # what a decode step costs by its rows: how many proposals pay
         if spec is not None:

@@ -353,3 +353,10 @@ def max_gemv_rows() -> int:
     kernels are missing: the torch path has no such limit, but its small steps are no cheaper per row)."""
     module = load()
     return module.max_gemv_rows if module is not None else 8
+
+
+def max_team_rows(moe: bool = False) -> int:
+    """The most query rows the fused decode step runs in one parallel region, each weight read once a step
+    (fewer with a mixture of experts); max_gemv_rows() where the kernels are missing."""
+    module = load()
+    return module.max_team_rows(moe) if module is not None else max_gemv_rows()

@@ -283,6 +283,9 @@ constexpr int64_t kMaxGemvRows = 8;  // input rows of one pass over the weights 
 // (forward_batched), each spread over the threads as a prompt chunk's, through torch's GEMM where dense:
 // at 32 rows the two took about the same time on 2 cores (Zen 4), the team less at 24 and below.
 constexpr int64_t kMaxTeamRows = 32;
+// The most requests a step runs in one parallel region: kMaxTeamRows (each weight still read once a step),
+// kMaxGemvRows with a mixture of experts (its tokens' expert groups in one region measured up to 8).
+constexpr int64_t team_rows_for(bool moe) { return moe ? kMaxGemvRows : kMaxTeamRows; }
 constexpr int64_t kGemvTileBytes = 16384;  // the weight rows every group of input rows passes over in turn
 
 // Weight rows [n0, n1) of y [M, N] = x [M, K] w [N, K]^T (+ bias), M <= kMaxTeamRows, K a multiple of a
@@ -2012,11 +2015,8 @@ class FusedDecoder {
   std::pair<int, int64_t> last_team_{0, 0};
 
  public:
-  // The most requests a step runs in one parallel region: kMaxTeamRows (each weight still read once a
-  // step), kMaxGemvRows with a mixture of experts (its tokens' expert groups in one region measured up to 8).
   int64_t team_rows() const {
-    const bool moe = std::any_of(layers_.begin(), layers_.end(), [](const auto& L) { return (bool)L.moe; });
-    return moe ? kMaxGemvRows : kMaxTeamRows;
+    return team_rows_for(std::any_of(layers_.begin(), layers_.end(), [](const auto& L) { return (bool)L.moe; }));
   }
 
   // (calls, calls run on one thread for lag, calls whose team lagged, the last team's lag share)
@@ -2770,6 +2770,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("gemv_bf16", &gemv_bf16, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), release());
   m.attr("max_gemv_rows") = py::int_(kMaxGemvRows);
+  m.def("max_team_rows", &team_rows_for, py::arg("moe"));
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0,
