@@ -519,9 +519,10 @@ def test_draft_model_outputs_equal_decoding_without_speculation(tiny_models, dra
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels (bursts of the fused decoder)")
 def test_draft_model_proposes_in_one_burst_of_its_fused_decoder(tiny_models):
     """In bfloat16 the draft's fused decoder runs decode steps back to back: once a request's prompt is
-    in the draft's cache, each step's proposals come from one burst of k + 1 steps (the catch-up token,
-    the k proposals, the last of them computed too, so the next catch-up is again one token), and no
-    step of the draft's module-by-module path runs. Greedy outputs are those of decoding without a draft,
+    in the draft's cache, a proposal of k tokens takes k passes of it: a burst of k steps after a
+    rejection (one token to catch up), or, after a proposal accepted whole, one step of two decode rows
+    (the last proposal and the target's next token) and a burst of k - 1; no step of the draft's
+    module-by-module path runs past the prompts. Greedy outputs are those of decoding without a draft,
     nearly every proposal of a draft with the target's own weights is accepted, and the draft's blocks
     all return to its pool."""
     target = tiny_models["llama"]
@@ -535,15 +536,54 @@ def test_draft_model_proposes_in_one_burst_of_its_fused_decoder(tiny_models):
     bursts, execute_burst = [], proposer.runner.execute_burst
     proposer.runner.execute_burst = lambda sched, steps, stop: bursts.append(steps) or execute_burst(sched, steps, stop)
     steps, execute = [], proposer.runner.execute
-    proposer.runner.execute = lambda sched: steps.append(sched) or execute(sched)
+    proposer.runner.execute = lambda sched: steps.append([(s.num_new_tokens, len(s.spec_token_ids))
+                                                          for s in sched.scheduled]) or execute(sched)
+    modular, forward = [], proposer.model.forward
+    proposer.model.forward = lambda ids, *a: modular.append(len(ids)) or forward(ids, *a)
     assert _tokens(llm.generate(prompts, sp)) == ref
-    assert bursts and max(bursts) == 5
+    assert 3 in bursts and set(bursts) <= {3, 4}  # 4: after a rejection, if any
+    # Two-row catch-ups, each its own last row verified as the draft's proposal.
+    assert sum((2, 1) in step for step in steps) >= 3
+    assert all(n == 1 or (n, spec) == (2, 1) or n > 2 and spec == 0 for step in steps for n, spec in step)
     # Module-by-module steps only for the prompts (each request's first catch-up, with its first proposal).
-    assert len(steps) <= len(prompts) and all(s.scheduled[0].num_new_tokens > 1 for s in steps)
+    assert len(modular) <= len(prompts) and min(modular) > 2
     s = llm.engine.stats()
     assert s["spec_decode_num_accepted_tokens"] / s["spec_decode_num_draft_tokens"] > 0.9
     llm.engine.step()
     assert not proposer.shadows and proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels (bursts of the fused decoder)")
+def test_a_two_row_catch_up_whose_draft_disagrees_runs_its_last_token_again(tiny_models):
+    """Where the draft's choice after its last proposal is not the target's next token, its logits after
+    that token are not kept by the two-row step: the token is computed again with the burst, whose
+    first step it is (k steps then), and the proposals and outputs are as before."""
+    target = tiny_models["llama"]
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": target}
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(dtype="bfloat16", block_size=4)
+    prompts = PROMPTS[:2]
+    ref = _tokens(LLM(target, **kw).generate(prompts, sp))
+    llm = LLM(target, speculative_config=spec, **kw)
+    proposer = llm.engine.proposer
+    bursts, execute_burst = [], proposer.runner.execute_burst
+    proposer.runner.execute_burst = lambda sched, steps, stop: bursts.append(steps) or execute_burst(sched, steps, stop)
+    dropped, execute = [], proposer.runner.execute
+
+    def disagreeing(sched):  # as if the draft had chosen another token after each last proposal
+        out = execute(sched)
+        popped = [out.spec_sampled.pop(i.request.request_id, None) for i in sched.scheduled if i.spec_token_ids]
+        if popped:
+            dropped.append(popped)
+        return out
+
+    proposer.runner.execute = disagreeing
+    assert _tokens(llm.generate(prompts, sp)) == ref
+    assert len(dropped) >= 3 and all(all(step) for step in dropped)  # the same weights agree: logits to drop
+    # Each of those tokens again, first in a burst of k (but where max_tokens leaves fewer).
+    assert bursts.count(4) >= len(dropped) - 1
+    s = llm.engine.stats()
+    assert s["spec_decode_num_accepted_tokens"] / s["spec_decode_num_draft_tokens"] > 0.9
 
 
 def test_self_drafting_with_int8_weights(tiny_models):

@@ -21,9 +21,11 @@ class DraftModelProposer:
     computed. A proposal first brings the shadow level with the request (its new tokens; tokens the
     draft computed for proposals that were rejected are recomputed), which gives the first proposed
     token, then decodes the rest, for all requests together. Where the draft has a fused decoder and every
-    shadow owes one token (the target's latest), the whole proposal is one call of it, decode steps back to
-    back, which also computes the last proposal so that the next catch-up is one token again; otherwise
-    (a prompt to catch up, no fused decoder) it goes one engine step at a time. Proposals are the draft's
+    shadow owes one token (the target's latest), the rest of the proposal is one call of it, decode steps
+    back to back; otherwise (a prompt to catch up, no fused decoder) it goes one engine step at a time.
+    The last proposal's keys and values are left to the next catch-up: where every proposal was accepted
+    it owes that proposal and the target's next token, two decode rows of one step (see _step), so a
+    proposal of k tokens costs the draft k passes over its weights, not k + 1. Proposals are the draft's
     greedy choices: each is certain (q one-hot), which is what the target's verification assumes."""
 
     def __init__(self, cfg, engine) -> None:
@@ -73,14 +75,31 @@ class DraftModelProposer:
 
     def _step(self, active: list, drafts: dict[str, list[int]]) -> list:
         """One step of the draft for every shadow: its tokens not yet computed (a catch-up, or the latest
-        proposal), whose last one's logits give its next proposal. Returns the shadows that want more."""
-        sched = SchedulerOutput(scheduled=[
-            ScheduledRequest(s, s.num_tokens - s.num_computed_tokens, True) for s, _ in active])
-        out = self.runner.execute(sched)
+        proposal), whose last one's logits give its next proposal. Returns the shadows that want more.
+
+        A shadow past its prompt that owes two tokens (its last proposal, all accepted, and the target's
+        next token) runs them as decode rows, the second as a proposal of the draft's own to verify: the
+        fused decoder's path, not a prompt chunk's. Its logits after the second are kept only where the
+        draft's choice after the first was that token (nearly always, for a draft the target agrees
+        with); otherwise the second is computed again as a one-row step."""
+        items = []
+        for s, _ in active:
+            owed = s.num_tokens - s.num_computed_tokens
+            two_rows = owed == 2 and s.num_computed_tokens >= s.num_prompt_tokens
+            items.append(ScheduledRequest(s, owed, True, [s.output_token_ids[-1]] if two_rows else []))
+        out = self.runner.execute(SchedulerOutput(scheduled=items))
         still = []
-        for s, k in active:
+        for item, (s, k) in zip(items, active):
             s.num_computed_tokens = s.num_tokens
-            token = out.sampled[s.request_id]
+            if item.spec_token_ids:
+                after = out.spec_sampled.get(s.request_id)
+                if not after:  # its logits were not kept: the target's token again, alone
+                    s.num_computed_tokens -= 1
+                    still.append((s, k))
+                    continue
+                token = after[0]
+            else:
+                token = out.sampled[s.request_id]
             if token >= self.vocab_size:  # a token the target's vocabulary lacks ends the proposal
                 continue
             drafts[s.request_id].append(token)
@@ -92,11 +111,10 @@ class DraftModelProposer:
     def _burst(self, active: list, drafts: dict[str, list[int]]) -> bool:
         """The rest of every shadow's proposals at once, each shadow owing one token, in one call of the
         draft's fused decoder (decode steps back to back, each step's greedy token the next step's input): a
-        proposal costs no pass through the engine's Python. The burst runs one step past the longest
-        proposal, so that each shadow's last proposal is computed too and the next catch-up (the target's
-        own next token) is again one token, a decode step rather than a prompt chunk. False (nothing done)
-        where the draft has no fused decoder, or too few free blocks for the steps."""
-        steps = max(k - len(drafts[s.request_id]) for s, k in active) + 1
+        proposal costs no pass through the engine's Python. The last proposal's keys and values are not
+        computed here (the next catch-up computes them). False (nothing done) where the draft has no fused
+        decoder, or too few free blocks for the steps."""
+        steps = max(k - len(drafts[s.request_id]) for s, k in active)
         if not self.runner.supports_bursts or not all(self.kv.allocate_slots(s, steps) for s, _ in active):
             return False
         sched = SchedulerOutput(scheduled=[ScheduledRequest(s, 1, True) for s, _ in active])
@@ -105,13 +123,16 @@ class DraftModelProposer:
             return False
         for s, k in active:
             mine = drafts[s.request_id]
+            before = s.num_tokens  # the owed token's step is the burst's first
             for out in outs[:k - len(mine)]:
                 token = out.sampled[s.request_id]
                 if token >= self.vocab_size:  # a token the target's vocabulary lacks ends the proposal
                     break
                 mine.append(token)
                 s.output_token_ids.append(token)
-            s.num_computed_tokens = s.num_tokens  # every kept token's keys and values are in the cache
+            # Step i computed the keys and values of the token before its output: all kept tokens but a
+            # last one that the final step produced.
+            s.num_computed_tokens = min(before - 1 + len(outs), s.num_tokens)
         return True
 
     def _sync(self, req: Request) -> Request:
