@@ -516,6 +516,19 @@ def test_draft_model_outputs_equal_decoding_without_speculation(tiny_models, dra
     assert not proposer.shadows and proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
 
 
+def _drafting_for_itself(target: str, prompts: list[str], sp: SamplingParams):
+    """A bfloat16 engine whose draft (k = 4) has the target's own weights, the greedy outputs of the target
+    without it, and the list the draft's bursts append their step counts to."""
+    kw = dict(dtype="bfloat16", block_size=4)
+    ref = _tokens(LLM(target, **kw).generate(prompts, sp))
+    llm = LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": target},
+              **kw)
+    runner = llm.engine.proposer.runner
+    bursts, execute_burst = [], runner.execute_burst
+    runner.execute_burst = lambda sched, steps, stop: bursts.append(steps) or execute_burst(sched, steps, stop)
+    return llm, ref, bursts
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels (bursts of the fused decoder)")
 def test_draft_model_proposes_in_one_burst_of_its_fused_decoder(tiny_models):
     """In bfloat16 the draft's fused decoder runs decode steps back to back: once a request's prompt is
@@ -525,16 +538,9 @@ def test_draft_model_proposes_in_one_burst_of_its_fused_decoder(tiny_models):
     module-by-module path runs past the prompts. Greedy outputs are those of decoding without a draft,
     nearly every proposal of a draft with the target's own weights is accepted, and the draft's blocks
     all return to its pool."""
-    target = tiny_models["llama"]
-    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": target}
-    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    kw = dict(dtype="bfloat16", block_size=4)
-    prompts = PROMPTS[:3]  # room in an 8-row step for their proposals
-    ref = _tokens(LLM(target, **kw).generate(prompts, sp))
-    llm = LLM(target, speculative_config=spec, **kw)
+    prompts, sp = PROMPTS[:3], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm, ref, bursts = _drafting_for_itself(tiny_models["llama"], prompts, sp)
     proposer = llm.engine.proposer
-    bursts, execute_burst = [], proposer.runner.execute_burst
-    proposer.runner.execute_burst = lambda sched, steps, stop: bursts.append(steps) or execute_burst(sched, steps, stop)
     steps, execute = [], proposer.runner.execute
     proposer.runner.execute = lambda sched: steps.append([(s.num_new_tokens, len(s.spec_token_ids))
                                                           for s in sched.scheduled]) or execute(sched)
@@ -558,16 +564,9 @@ def test_a_two_row_catch_up_whose_draft_disagrees_runs_its_last_token_again(tiny
     """Where the draft's choice after its last proposal is not the target's next token, its logits after
     that token are not kept by the two-row step: the token is computed again with the burst, whose
     first step it is (k steps then), and the proposals and outputs are as before."""
-    target = tiny_models["llama"]
-    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": target}
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kw = dict(dtype="bfloat16", block_size=4)
-    prompts = PROMPTS[:2]
-    ref = _tokens(LLM(target, **kw).generate(prompts, sp))
-    llm = LLM(target, speculative_config=spec, **kw)
+    prompts, sp = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm, ref, bursts = _drafting_for_itself(tiny_models["llama"], prompts, sp)
     proposer = llm.engine.proposer
-    bursts, execute_burst = [], proposer.runner.execute_burst
-    proposer.runner.execute_burst = lambda sched, steps, stop: bursts.append(steps) or execute_burst(sched, steps, stop)
     dropped, execute = [], proposer.runner.execute
 
     def disagreeing(sched):  # as if the draft had chosen another token after each last proposal
