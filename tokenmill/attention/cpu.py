@@ -75,6 +75,16 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, block_table, seq_len, bs, scale, window, softcap=None, sinks=None):
         n = q.shape[0]
+        kernels = cpu_kernels.load() if q.device.type == "cpu" else None
+        if (kernels is not None and q.dtype == torch.bfloat16 and softcap is None and sinks is None
+                and cpu_kernels.head_dim_ok(q.shape[-1])):
+            # bfloat16 prompt rows: the kernel, over the chunk's own keys and values or the cache's (each
+            # row computed alike either way, so a prompt's rows do not depend on what the cache held).
+            if seq_len > n:
+                pos = torch.arange(seq_len, device=q.device)
+                slots = block_table[pos // bs] * bs + pos % bs
+                k, v = kv_format.read(k_cache, slots, q.dtype), kv_format.read(v_cache, slots, q.dtype)
+            return kernels.prefill_attention(q, k, v, scale, window or 0)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seq_len == n and (window is None or n <= window) and softcap is None and sinks is None:
             # No earlier context: attend over this chunk's own K/V, causal. Zero rows added at the end change

@@ -2693,6 +2693,166 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// ---------------------------------------------------------------------------------- prompt attention
+
+// Causal attention of a prompt chunk's n query rows q [n, H, D] (positions L - n .. L - 1) over the keys
+// and values k, v [L, KVH, D] of positions 0 .. L - 1 (a cached prefix, then the chunk), all bfloat16,
+// query head h reading KV head h / (H / KVH); window > 0 keeps each row's last `window` positions.
+//
+// Keys and values are laid out once per KV head for bf16 pair products (vdpbf16ps: exact products,
+// float32 sums): keys by groups of 16, each pair of dimensions one vector of 16 keys; values by pairs of
+// keys, 16 dimensions a vector. Then for each group of 4 rows (a position's query heads, position after
+// position) the blocks of 32 keys up to its rows: scores in float32, an online softmax, the probabilities
+// rounded to bfloat16 (as the references round them before their product with the values) and the values
+// summed into float32 outputs, a slab of 64 dimensions at a time.
+//
+// A row's arithmetic depends only on its query, its position and the keys and values up to it: key blocks
+// are aligned to absolute positions and taken in order from the first, and a block with none of a row's
+// keys changes nothing for it. So a row's output is the same in whichever chunk of the prompt it is
+// computed, with its prefix read from the cache or computed in the same call.
+constexpr int64_t kPromptKeys = 32;      // keys a block
+constexpr int64_t kPromptPositions = 8;  // query positions a task
+
+void prompt_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t n, int64_t L,
+                      int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
+  const int64_t g = H / KVH, Lp = (L + kPromptKeys - 1) / kPromptKeys * kPromptKeys, first = L - n, P = D / 2;
+  // kp [KVH][Lp / 16][D / 2][16 keys][2]; vp [KVH][Lp / 2][D][2 keys]; zeros past L.
+  std::vector<uint16_t> kp(KVH * Lp * D, 0), vp(KVH * Lp * D, 0);
+  at::parallel_for(0, KVH * (Lp / 16), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c = b / (Lp / 16), j0 = b % (Lp / 16) * 16;
+      uint16_t* kb = kp.data() + (c * Lp + j0) * D;
+      for (int64_t j = j0; j < std::min(j0 + 16, L); ++j) {
+        const uint16_t* kr = k + (j * KVH + c) * D;
+        const uint16_t* vr = v + (j * KVH + c) * D;
+        uint16_t* vo = vp.data() + (c * Lp + j / 2 * 2) * D + j % 2;
+        for (int64_t d = 0; d < D; ++d) {
+          kb[(d / 2 * 16 + (j - j0)) * 2 + d % 2] = kr[d];
+          vo[2 * d] = vr[d];
+        }
+      }
+    }
+  });
+  const int64_t blocks = (n + kPromptPositions - 1) / kPromptPositions, tasks = KVH * blocks;
+  // Later positions cost more: tasks alternate between the cheapest and the dearest left, so that the
+  // even split of at::parallel_for gives each thread a like share.
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    constexpr int R = 4;
+    std::vector<float> o(R * D);
+    alignas(64) uint16_t p[R][kPromptKeys];
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c = t % KVH, i = t / KVH, pb = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+      const uint16_t* kc = kp.data() + c * Lp * D;
+      const uint16_t* vc = vp.data() + c * Lp * D;
+      const int64_t r0 = pb * kPromptPositions, rows = (std::min(n, r0 + kPromptPositions) - r0) * g;
+      for (int64_t a = 0; a < rows; a += R) {
+        const int nr = (int)std::min<int64_t>(R, rows - a);
+        int64_t pos[R], row[R];
+        const uint32_t* qr[R];
+        float m[R], l[R];
+        for (int r = 0; r < R; ++r) {
+          const int64_t x = a + std::min(r, nr - 1);  // a short group repeats its last row, unused
+          row[r] = (r0 + x / g) * H + c * g + x % g;
+          pos[r] = first + r0 + x / g;
+          qr[r] = reinterpret_cast<const uint32_t*>(q + row[r] * D);
+          m[r] = -std::numeric_limits<float>::infinity();
+          l[r] = 0.f;
+        }
+        std::fill(o.begin(), o.end(), 0.f);
+        const int64_t top = pos[R - 1], bottom = pos[0];  // rows go position after position
+        const int64_t from = window > 0 ? std::max<int64_t>(0, bottom - window + 1) / kPromptKeys * kPromptKeys : 0;
+        for (int64_t j0 = from; j0 <= top; j0 += kPromptKeys) {
+          __m512 s[R][2];
+          for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+          const uint16_t* kb = kc + j0 * D;
+          for (int64_t e = 0; e < P; ++e) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + e * 32);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + 16 * D + e * 32);
+            for (int r = 0; r < R; ++r) {
+              const __m512bh qe = (__m512bh)_mm512_set1_epi32((int)qr[r][e]);
+              s[r][0] = _mm512_dpbf16_ps(s[r][0], qe, k0);
+              s[r][1] = _mm512_dpbf16_ps(s[r][1], qe, k1);
+            }
+          }
+          bool any = false;
+          float alpha[R];
+          for (int r = 0; r < R; ++r) {
+            // Keys j0 + lane that the row reads: at or before its position, inside its window.
+            const __m512i lo = _mm512_set1_epi32(window > 0 ? (int)(pos[r] - window + 1) : 0);
+            const __m512i hi = _mm512_set1_epi32((int)pos[r]);
+            __mmask16 keep[2];
+            for (int h = 0; h < 2; ++h) {
+              const __m512i key = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(j0 + 16 * h)));
+              keep[h] = _mm512_cmple_epi32_mask(key, hi) & _mm512_cmpge_epi32_mask(key, lo);
+            }
+            if (!(keep[0] | keep[1])) {  // none of this row's keys: nothing changes for it
+              alpha[r] = 1.f;
+              _mm512_store_si512(p[r], _mm512_setzero_si512());
+              continue;
+            }
+            any = true;
+            const __m512 sc = _mm512_set1_ps(scale);
+            const __m512 x0 = _mm512_mask_blend_ps(keep[0], ninf, _mm512_mul_ps(s[r][0], sc));
+            const __m512 x1 = _mm512_mask_blend_ps(keep[1], ninf, _mm512_mul_ps(s[r][1], sc));
+            const float mn = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+            alpha[r] = std::exp(m[r] - mn);  // 0 at the row's first block (m = -inf)
+            m[r] = mn;
+            const __m512 mv = _mm512_set1_ps(mn);
+            const __m512 e0 = _mm512_maskz_mov_ps(keep[0], exp_ps(_mm512_sub_ps(x0, mv)));
+            const __m512 e1 = _mm512_maskz_mov_ps(keep[1], exp_ps(_mm512_sub_ps(x1, mv)));
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            _mm256_store_si256((__m256i*)p[r], (__m256i)_mm512_cvtneps_pbh(e0));
+            _mm256_store_si256((__m256i*)(p[r] + 16), (__m256i)_mm512_cvtneps_pbh(e1));
+          }
+          if (!any) continue;
+          const int64_t pairs = (std::min(kPromptKeys, top + 1 - j0) + 1) / 2;
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {  // a slab of up to 64 dimensions
+            const int nv = (int)std::min<int64_t>(4, (D - d0) / 16);
+            __m512 acc[R][4];
+            for (int r = 0; r < R; ++r)
+              for (int w = 0; w < nv; ++w)
+                acc[r][w] = _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + d0 + 16 * w), _mm512_set1_ps(alpha[r]));
+            for (int64_t j = 0; j < pairs; ++j) {
+              const uint16_t* vr = vc + (j0 + 2 * j) * D + 2 * d0;  // keys j0 + 2j and the next, from d0
+              __m512bh pr[R];
+              for (int r = 0; r < R; ++r)
+                pr[r] = (__m512bh)_mm512_set1_epi32((int)reinterpret_cast<const uint32_t*>(p[r])[j]);
+              for (int w = 0; w < nv; ++w) {
+                const __m512bh vv = (__m512bh)_mm512_loadu_si512(vr + 32 * w);
+                for (int r = 0; r < R; ++r) acc[r][w] = _mm512_dpbf16_ps(acc[r][w], pr[r], vv);
+              }
+            }
+            for (int r = 0; r < R; ++r)
+              for (int w = 0; w < nv; ++w) _mm512_storeu_ps(o.data() + r * D + d0 + 16 * w, acc[r][w]);
+          }
+        }
+        for (int r = 0; r < nr; ++r) {
+          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+          uint16_t* y = out + row[r] * D;
+          for (int64_t d = 0; d < D; d += 16) store_bf16(y + d, _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + d), inv));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [n, H, D], k and v [L, KVH, D] expected");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+                  v.scalar_type() == torch::kBFloat16, "q, k and v: bfloat16");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
+  TORCH_CHECK(k.size(2) == D && KVH > 0 && H % KVH == 0, "head counts or sizes do not match");
+  TORCH_CHECK(n >= 1 && n <= L && L < INT_MAX / 2, "need 1 <= n <= L (the queries are the last n positions)");
+  TORCH_CHECK(head_dim_ok(D), kHeadDims);
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+  q = q.contiguous(), k = k.contiguous(), v = v.contiguous();
+  auto out = torch::empty_like(q);
+  prompt_attention(bits(q), bits(k), bits(v), bits_mut(out), n, L, H, KVH, D, (float)scale, window);
+  return out;
+}
+
 // Codes and scales of rows x [rows, KV heads, head_dim] (float32 or bfloat16) as the decoder writes them
 // to an 8-bit cache (code: "int8" or "fp8"): the reference the Python writer is held to.
 std::vector<torch::Tensor> quantize_kv(torch::Tensor x, const std::string& code) {
@@ -2775,6 +2935,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0,
         py::arg("sinks") = py::none(), release());
+  m.def("prefill_attention", &prefill_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
+        py::arg("window") = 0, release());
   m.def("quantize_kv", &quantize_kv, release());
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_plan_threads", &set_plan_threads);
