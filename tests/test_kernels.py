@@ -409,3 +409,32 @@ def test_prefill_attention_rows_are_the_same_in_any_chunk(window):
             parts.append(attend(q[start:end], k[:end], v[:end], 0.125, window))
             start = end
         assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
+def test_bfloat16_prompts_through_the_prompt_kernel_track_transformers(tiny_models, monkeypatch):
+    """With TOKENMILL_PROMPT_ATTENTION=kernel, bfloat16 prompt rows (whole prompts and chunks after a cached
+    prefix) take the kernel, and greedy tokens track transformers' float32 choices teacher-forced as
+    test_reference's dense models do (bf16 rounding ~0.01 nats a token; a wrong attention, ~1)."""
+    from conftest import PROMPTS, reference_model, teacher_forced_logits
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.attention import cpu as cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "PROMPT_KERNEL", True)
+    module, calls = cpu_kernels.load(), []
+    attend = module.prefill_attention
+    monkeypatch.setattr(module, "prefill_attention", lambda q, k, v, *a: calls.append(k.shape[0] - q.shape[0])
+                        or attend(q, k, v, *a), raising=False)
+    folder = tiny_models["llama"]
+    llm = LLM(folder, dtype="bfloat16", seed=0, max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, min_tokens=8), use_tqdm=False)
+    assert calls and max(calls) > 0  # chunks after a prefix in the cache, as well as first chunks
+    ref = reference_model(folder)
+    gaps = []
+    for ids, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1)
+        gaps += [float(lps[len(ids) + j - 1].max() - lps[len(ids) + j - 1][t]) for j, t in enumerate(gen)]
+    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))

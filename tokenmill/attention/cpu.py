@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -75,7 +77,7 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, block_table, seq_len, bs, scale, window, softcap=None, sinks=None):
         n = q.shape[0]
-        kernels = cpu_kernels.load() if q.device.type == "cpu" else None
+        kernels = cpu_kernels.load() if PROMPT_KERNEL and q.device.type == "cpu" else None
         if (kernels is not None and q.dtype == torch.bfloat16 and softcap is None and sinks is None
                 and cpu_kernels.head_dim_ok(q.shape[-1])):
             # bfloat16 prompt rows: the kernel, over the chunk's own keys and values or the cache's (each
@@ -114,6 +116,12 @@ class TorchSDPABackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :n]
         return o.squeeze(0).transpose(0, 1)
 
+
+# bfloat16 prompt attention through the kernels' prefill_attention (TOKENMILL_PROMPT_ATTENTION=kernel)
+# rather than torch's: 1.3-1.4x sooner first tokens on 700-2000-token prompts (docs/benchmarks.md, "Prompt
+# attention in bf16 pair products"), as accurate against float64; not the default yet, because rounding
+# otherwise moves near-tied tokens of the tiny test models and of the default model's answers.
+PROMPT_KERNEL = os.environ.get("TOKENMILL_PROMPT_ATTENTION", "torch") == "kernel"
 
 # Sequence lengths torch's bfloat16/half attention meets on the CPU: a multiple of this. Its flash attention
 # compiles (and keeps) matrix kernels for each new tail of a length, 1 MiB a length on the first 200 lengths
