@@ -209,6 +209,19 @@ def reference_model(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
 
 
+def teacher_forced_gaps(folder: str, prompts: list[list[int]], outs) -> list[float]:
+    """For each generated token of each output, how far below transformers' float32 best choice (teacher-forced
+    on the prompt and the tokens before it) its logprob is: 0 where it is that choice."""
+    ref = reference_model(folder)
+    gaps = []
+    for ids, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1)
+        gaps += [float(lps[len(ids) + j - 1].max() - lps[len(ids) + j - 1][t]) for j, t in enumerate(gen)]
+    return gaps
+
+
 def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     """transformers' logits [len(ids), vocab] at each position of a sequence as its generate() computes them.
     A LongRoPE model rotates a sequence of up to original_max_position_embeddings tokens with short factors

@@ -416,7 +416,7 @@ def test_bfloat16_prompts_through_the_prompt_kernel_track_transformers(tiny_mode
     """With TOKENMILL_PROMPT_ATTENTION=kernel, bfloat16 prompt rows (whole prompts and chunks after a cached
     prefix) take the kernel, and greedy tokens track transformers' float32 choices teacher-forced as
     test_reference's dense models do (bf16 rounding ~0.01 nats a token; a wrong attention, ~1)."""
-    from conftest import PROMPTS, reference_model, teacher_forced_logits
+    from conftest import PROMPTS, teacher_forced_gaps
     from tokenmill import LLM, SamplingParams
     from tokenmill.attention import cpu as cpu_attention
 
@@ -430,11 +430,5 @@ def test_bfloat16_prompts_through_the_prompt_kernel_track_transformers(tiny_mode
     prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, min_tokens=8), use_tqdm=False)
     assert calls and max(calls) > 0  # chunks after a prefix in the cache, as well as first chunks
-    ref = reference_model(folder)
-    gaps = []
-    for ids, out in zip(prompts, outs):
-        gen = out.outputs[0].token_ids
-        with torch.no_grad():
-            lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1)
-        gaps += [float(lps[len(ids) + j - 1].max() - lps[len(ids) + j - 1][t]) for j, t in enumerate(gen)]
+    gaps = teacher_forced_gaps(folder, prompts, outs)
     assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))

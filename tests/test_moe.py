@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import PROMPTS, hf_greedy, moe_configs, save_tiny_models, teacher_forced_logits, reference_model
+from tests.conftest import PROMPTS, hf_greedy, moe_configs, save_tiny_models, teacher_forced_gaps
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.moe import Experts
 
@@ -311,13 +311,7 @@ def test_bfloat16_fused_experts_track_transformers(folders):
     if cpu_kernels.load() is not None:
         assert sum(f is not None for f in used) >= MAX_NEW - 1, "decode steps must run fused"
     assert model.graph_capturable is False  # nor in CUDA graphs: the active experts change step to step
-    ref = reference_model(folder)
-    gaps = []
-    for ids, out in zip(prompts, outs):
-        gen = out.outputs[0].token_ids
-        with torch.no_grad():
-            lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1)
-        gaps += [float(lps[len(ids) + j - 1].max() - lps[len(ids) + j - 1][t]) for j, t in enumerate(gen)]
+    gaps = teacher_forced_gaps(folder, prompts, outs)
     assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 1.0, (sum(gaps) / len(gaps), max(gaps))
 
 

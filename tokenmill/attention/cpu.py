@@ -118,7 +118,7 @@ class TorchSDPABackend(AttentionBackend):
 
 
 # bfloat16 prompt attention through the kernels' prefill_attention (TOKENMILL_PROMPT_ATTENTION=kernel)
-# rather than torch's: 1.3-1.4x sooner first tokens on 700-2000-token prompts (docs/benchmarks.md, "Prompt
+# rather than torch's: 1.4x sooner first tokens on 736-2000-token prompts (docs/benchmarks.md, "Prompt
 # attention in bf16 pair products"), as accurate against float64; not the default yet, because rounding
 # otherwise moves near-tied tokens of the tiny test models and of the default model's answers.
 PROMPT_KERNEL = os.environ.get("TOKENMILL_PROMPT_ATTENTION", "torch") == "kernel"
