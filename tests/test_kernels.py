@@ -360,18 +360,6 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
     assert tokens.shape == (3, 2)
 
 
-def _causal_reference(q, k, v, scale, window=0):
-    """Attention in float64 of the last n positions q [n, H, D] over k, v [L, KVH, D], causal."""
-    n, h, _ = q.shape
-    length, kvh, _ = k.shape
-    keys, values = (t.double().repeat_interleave(h // kvh, dim=1) for t in (k, v))
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys) * scale
-    pos = torch.arange(length - n, length).unsqueeze(1)
-    key = torch.arange(length).unsqueeze(0)
-    keep = (key <= pos) & ((key > pos - window) if window else True)
-    return torch.einsum("hnl,lhd->nhd", scores.masked_fill(~keep, float("-inf")).softmax(-1), values)
-
-
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
 @pytest.mark.parametrize("n,length,h,kvh,d,window", [
     (736, 736, 9, 3, 64, 0),    # the default model's shapes, a whole prompt
@@ -386,7 +374,9 @@ def test_prefill_attention_matches_a_float64_reference(n, length, h, kvh, d, win
     q = torch.randn(n, h, d, dtype=torch.bfloat16)
     k, v = (torch.randn(length, kvh, d, dtype=torch.bfloat16) for _ in range(2))
     out = cpu_kernels.load().prefill_attention(q, k, v, d ** -0.5, window)
-    ref = _causal_reference(q, k, v, d ** -0.5, window)
+    # Each row a decode query at its position, over a cache that holds the keys in order (blocks of 1).
+    ref = _dense_reference(q, k, v, torch.arange(length).expand(n, length), torch.arange(length - n + 1, length + 1),
+                           1, window, d ** -0.5)
     # bfloat16 output and probabilities: torch's own bf16 attention is off by as much (~8e-3 here).
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     with pytest.raises(RuntimeError, match="bfloat16"):

@@ -83,9 +83,7 @@ class TorchSDPABackend(AttentionBackend):
             # bfloat16 prompt rows: the kernel, over the chunk's own keys and values or the cache's (each
             # row computed alike either way, so a prompt's rows do not depend on what the cache held).
             if seq_len > n:
-                pos = torch.arange(seq_len, device=q.device)
-                slots = block_table[pos // bs] * bs + pos % bs
-                k, v = kv_format.read(k_cache, slots, q.dtype), kv_format.read(v_cache, slots, q.dtype)
+                k, v = _read_context(k_cache, v_cache, block_table, torch.arange(seq_len, device=q.device), bs, q.dtype)
             return kernels.prefill_attention(q, k, v, scale, window or 0)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seq_len == n and (window is None or n <= window) and softcap is None and sinks is None:
@@ -98,9 +96,8 @@ class TorchSDPABackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
             return o[:, :, :n].squeeze(0).transpose(0, 1)
         pos = torch.arange(seq_len, device=q.device)
-        slots = block_table[pos // bs] * bs + pos % bs
-        keys = kv_format.read(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
-        values = kv_format.read(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+        keys, values = (t.transpose(0, 1).unsqueeze(0)
+                        for t in _read_context(k_cache, v_cache, block_table, pos, bs, q.dtype))
         qpos = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)
         mask = pos.unsqueeze(0) <= qpos
         if window is not None:
@@ -115,6 +112,12 @@ class TorchSDPABackend(AttentionBackend):
                 mask[n:, 0] = True
             o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :n]
         return o.squeeze(0).transpose(0, 1)
+
+
+def _read_context(k_cache, v_cache, block_table, pos, bs: int, dtype: torch.dtype):
+    """A request's keys and values at positions pos, read from the paged cache: [len(pos), KVH, D] each."""
+    slots = block_table[pos // bs] * bs + pos % bs
+    return kv_format.read(k_cache, slots, dtype), kv_format.read(v_cache, slots, dtype)
 
 
 # bfloat16 prompt attention through the kernels' prefill_attention (TOKENMILL_PROMPT_ATTENTION=kernel)
