@@ -11,8 +11,18 @@ from tokenmill.kernels import quant  # noqa: E402
 from tests.test_quant_kernels import kernels, quantized_activation, random_blocks  # noqa: E402,F401
 
 T = gguf.GGMLQuantizationType
-TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
-SHAPES = [(16, 32), (48, 576), (32, 1120), (64, 1536)]  # rows of 1, 18, 35 and 48 blocks
+TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K]
+K_TYPES = (T.Q4_K, T.Q6_K)
+
+
+def shapes(qtype) -> list[tuple[int, int]]:
+    """(rows, row length): rows of 1, 18, 35 and 48 blocks; 1, 2 and 8 super-blocks for the K formats."""
+    return [(16, 256), (48, 512), (32, 2048)] if qtype in K_TYPES else [(16, 32), (48, 576), (32, 1120), (64, 1536)]
+
+
+def width(qtype, k: int) -> int:
+    """A row length like k that the format's blocks divide (the K formats' super-blocks are 256)."""
+    return (k + 255) // 256 * 256 if qtype in K_TYPES else k
 
 
 def tiled(kernels, qtype, data: np.ndarray, k: int) -> torch.Tensor:
@@ -25,7 +35,7 @@ def test_tiles_hold_the_file_s_values(kernels, qtype):
     """Every row read back out of its tile (the embedding lookup, the prompt path's dequantized rows) is the
     gguf package's dequantization of the file's blocks, exactly; the tiles take the file's bytes."""
     rng = np.random.default_rng(int(qtype))
-    for n, k in SHAPES:
+    for n, k in shapes(qtype):
         data = random_blocks(qtype, n, k, rng)
         w = tiled(kernels, qtype, data, k)
         assert w.shape == data.shape
@@ -44,13 +54,13 @@ def test_tiled_products_match_float64(kernels, qtype, batch):
     float_rows on, the rows dequantized out of their tiles times the float inputs."""
     rng = np.random.default_rng(batch * 10 + int(qtype))
     int8_inputs = batch < kernels.float_rows()
-    for n, k in SHAPES:
+    for n, k in shapes(qtype):
         data = random_blocks(qtype, n, k, rng)
         w64 = gguf.quants.dequantize(data, qtype).reshape(n, k).astype(np.float64)
         x = rng.standard_normal((batch, k)).astype(np.float32)
         x[0, :32] = 0  # an all-zero activation block
         got = kernels.qmatmul(torch.from_numpy(x), tiled(kernels, qtype, data, k), int(qtype) | quant.TILED, k).numpy()
-        xk = quantized_activation(x) if int8_inputs else x.astype(np.float64)
+        xk = quantized_activation(x, qtype) if int8_inputs else x.astype(np.float64)
         scale = np.abs(xk) @ np.abs(w64).T + 1e-30
         assert np.max(np.abs(got - xk @ w64.T) / scale) < 2e-5, (n, k)
 
@@ -61,7 +71,7 @@ def test_a_tiled_row_s_product_does_not_depend_on_the_schedule(kernels, qtype):
     step against a verify step or a batch), on one thread or two (another split of the tiles), and wherever
     its tile lies in the matrix."""
     rng = np.random.default_rng(int(qtype) + 3)
-    k = 640
+    k = width(qtype, 640)
     data = random_blocks(qtype, 64, k, rng)
     w = tiled(kernels, qtype, data, k)
     typ = int(qtype) | quant.TILED
@@ -84,10 +94,11 @@ def test_tiled_and_row_layouts_agree(kernels):
     """The two layouts sum the same products in different orders: equal to float rounding."""
     rng = np.random.default_rng(5)
     for qtype in TILE_TYPES:
-        data = random_blocks(qtype, 48, 576, rng)
-        x = torch.from_numpy(rng.standard_normal((3, 576)).astype(np.float32))
-        rows = kernels.qmatmul(x, kernels.repack(torch.from_numpy(data), int(qtype), 576), int(qtype), 576)
-        tiles = kernels.qmatmul(x, tiled(kernels, qtype, data, 576), int(qtype) | quant.TILED, 576)
+        k = width(qtype, 576)
+        data = random_blocks(qtype, 48, k, rng)
+        x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+        rows = kernels.qmatmul(x, kernels.repack(torch.from_numpy(data), int(qtype), k), int(qtype), k)
+        tiles = kernels.qmatmul(x, tiled(kernels, qtype, data, k), int(qtype) | quant.TILED, k)
         torch.testing.assert_close(tiles, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()))
 
 
@@ -97,11 +108,12 @@ def test_prompt_rows_meet_the_same_dequantized_weights(kernels, dtype):
     of rows, so the same products, bit for bit."""
     rng = np.random.default_rng(9)
     for qtype in TILE_TYPES:
-        data = random_blocks(qtype, 64, 640, rng)
-        x = torch.from_numpy(rng.standard_normal((5, 640)).astype(np.float32)).to(dtype)
-        rows = kernels.qmatmul(x, kernels.repack(torch.from_numpy(data), int(qtype), 640), int(qtype), 640,
+        k = width(qtype, 640)
+        data = random_blocks(qtype, 64, k, rng)
+        x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32)).to(dtype)
+        rows = kernels.qmatmul(x, kernels.repack(torch.from_numpy(data), int(qtype), k), int(qtype), k,
                                float_inputs=True)
-        tiles = kernels.qmatmul(x, tiled(kernels, qtype, data, 640), int(qtype) | quant.TILED, 640, float_inputs=True)
+        tiles = kernels.qmatmul(x, tiled(kernels, qtype, data, k), int(qtype) | quant.TILED, k, float_inputs=True)
         assert torch.equal(tiles, rows), qtype.name
 
 
@@ -119,7 +131,9 @@ def test_which_matrices_are_tiled():
     assert not quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=24).tiled
     assert quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=16).tiled == expect
     q6 = random_blocks(T.Q6_K, 16, 256, rng)
-    assert not quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled
+    assert quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled == expect
+    q5 = random_blocks(T.Q5_K, 16, 256, rng)  # (no tile kernel)
+    assert not quant.QuantizedWeight.from_blocks(13, (16, 256), torch.from_numpy(q5)).tiled
     quant.set_tiles(False)
     try:
         assert not quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data)).tiled
@@ -128,4 +142,4 @@ def test_which_matrices_are_tiled():
     with pytest.raises(ValueError, match="interleaved by 16"):
         quant.QuantizedWeight(8 | quant.TILED, (40, 64), torch.zeros(40, 68, dtype=torch.uint8))
     with pytest.raises(ValueError, match="no kernel"):
-        quant.QuantizedWeight(12 | quant.TILED, (16, 256), torch.zeros(16, 144, dtype=torch.uint8))
+        quant.QuantizedWeight(13 | quant.TILED, (16, 256), torch.zeros(16, 176, dtype=torch.uint8))

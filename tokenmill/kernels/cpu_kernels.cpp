@@ -1153,7 +1153,7 @@ Matrix make_matrix(const PartList& list, int64_t K, const char* name) {
                   ": a type ", type, " part must be uint8 [rows, ", K / f.block * f.bytes, "]");
       p.row_bytes = t.size(1);
       m.quantized = true;
-      m.per256 |= tmq::wants_per256((int)type) && K % tmq::QKK == 0;
+      m.per256 |= tmq::wants_per256(tmq::base_type((int)type)) && K % tmq::QKK == 0;
     }
     p.r1 = m.N += t.size(0);
     p.data = reinterpret_cast<const char*>(t.data_ptr());

@@ -83,7 +83,7 @@ torch::Tensor repack(const torch::Tensor& blocks, int64_t type, int64_t K, std::
       const int64_t tile_bytes = tmq::kTileRows * row_bytes;
       at::parallel_for(0, N / tmq::kTileRows, 16, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t)
-          tmq::tile_from_gguf(tmq::base_type((int)type), in + t * tile_bytes, row_bytes, K / tmq::QK, o + t * tile_bytes);
+          tmq::tile_from_gguf(tmq::base_type((int)type), in + t * tile_bytes, row_bytes, K, o + t * tile_bytes);
       });
     } else {
       at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {

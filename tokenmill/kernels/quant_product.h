@@ -131,8 +131,8 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
     for_tiles((rows + 15) / 16, [&](int64_t t) {
       if (is_tiled(type)) {
         const uint8_t* tw = w + (n0 + t * 16) * row_bytes;
-        if (bf16) dequantize_tile(type, tw, K / QK, (uint16_t*)buf + t * 16 * K, K);
-        else dequantize_tile(type, tw, K / QK, (float*)buf + t * 16 * K, K);
+        if (bf16) dequantize_tile(type, tw, K, (uint16_t*)buf + t * 16 * K, K);
+        else dequantize_tile(type, tw, K, (float*)buf + t * 16 * K, K);
         return;
       }
       for (int64_t n = t * 16; n < std::min(rows, t * 16 + 16); ++n) {
@@ -198,7 +198,7 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   std::vector<int8_t> q(padded * K);
   std::vector<float> d(padded * nb), s(padded * nb);
   std::vector<QRow> rows(M);
-  const bool per256 = wants_per256(type) && K % QKK == 0;  // (then q, d, s take one scale per 256)
+  const bool per256 = wants_per256(base_type(type)) && K % QKK == 0;  // (then q, d, s take one scale per 256)
   std::vector<int16_t> sums16(per256 ? M * K / 16 : 0);
   for_tiles((M + 7) / 8, [&](int64_t t) {  // (with float_rows raised, M may be a whole prompt chunk)
     for (int64_t m = t * 8; m < std::min(M, t * 8 + 8); ++m)
@@ -213,7 +213,10 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
   }
 #endif
   if (is_tiled(type)) {  // tiles of 16 weight rows (quant_tiles.h), a few to a task
-    for (int64_t m = 0; m < M; ++m) rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+    for (int64_t m = 0; m < M; ++m) {
+      rows[m] = {q.data() + m * K, d.data() + m * nb, s.data() + m * nb};
+      if (per256) rows[m].sums16 = sums16.data() + m * K / 16, rows[m].per256 = &rows[m];  // (the K formats')
+    }
     const int64_t tiles = N / kTileRows;
     const int64_t per_task = M <= kRowGroup ? std::max<int64_t>(1, tiles / (8 * at::get_num_threads())) : 1;
     for_tiles((tiles + per_task - 1) / per_task, [&](int64_t t) {

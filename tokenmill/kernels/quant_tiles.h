@@ -1,5 +1,5 @@
-// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 blocks, for the byte
-// products of a few input rows (decode, speculative verify steps, small batches).
+// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K blocks,
+// for the byte products of a few input rows (decode, speculative verify steps, small batches).
 //
 // In the row layout (quant.h) a vector's 16 int32 lanes are 16 blocks of one weight row: each pair of weight
 // row and input row ends in its own conversion, scaling and horizontal sum, and on short rows (the default
@@ -10,7 +10,13 @@
 //   Q4_1  [16 float16 scales d] [16 float16 offsets m] [4 x 64 bytes, as Q4_0]
 //   Q5_0  [16 float16 scales d] [16 x 4 bytes: row j's fifth bits (GGUF's qh) at 4j] [4 x 64 bytes, as Q4_0]
 //   Q5_1  [16 float16 scales d] [16 float16 offsets m] [16 x 4 bytes of fifth bits] [4 x 64 bytes, as Q4_0]
-// (a 4-bit code byte i holds element i in its low nibble and i + 16 in its high one, as GGUF has it). The
+// (a 4-bit code byte i holds element i in its low nibble and i + 16 in its high one, as GGUF has it); and in
+// super-block b of a tile of the K formats (256 elements a row, GGUF's fields interleaved by 4-byte words):
+//   Q4_K  [16 float16 d] [16 float16 dmin] [3 x 64 bytes: word w of row j's 12 packed 6-bit scales and mins
+//         at 64w + 4j] [32 x 64 bytes: word t of row j's codes (qs) at 64t + 4j]
+//   Q6_K  [32 x 64 bytes: ql words] [16 x 64 bytes: qh words] [4 x 64 bytes: the 16 int8 scales' words]
+//         [16 float16 d]
+// The
 // tile holds the same bytes as its 16 rows of GGUF blocks: a matrix keeps its size, and rows [16t, 16t + 16)
 // keep their byte range. An input row's 4-byte word is broadcast to every lane: one vpdpbusd takes 4 values
 // of 16 weight rows, a block's sums are converted and scaled once for 16 rows, no row ends in a horizontal
@@ -32,7 +38,13 @@ constexpr int kTileRows = 16;
 
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int base_type(int type) { return type & ~kTiled; }
-inline bool can_tile(int type) { return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1; }
+inline bool can_tile(int type) {
+  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q6_K;
+}
+inline bool k_format(int base) { return base == Q4_K || base == Q6_K; }
+// Elements of a row per block (a K format's super-block), and a row's blocks.
+inline int64_t tile_block_elems(int base) { return k_format(base) ? QKK : QK; }
+inline int64_t tile_blocks(int base, int64_t K) { return K / tile_block_elems(base); }
 
 // format_of for a type id that may carry kTiled: its format's blocks, where the format has kernels (and,
 // tiled, a tile kernel).
@@ -58,10 +70,46 @@ constexpr TileFormat tile_format(int base) {
          : base == Q5_0 ? TileFormat{22, -1, 32, 96, 16}
                         : TileFormat{24, 32, 64, 128, 16};  // Q5_1
 }
-inline int64_t tile_block_bytes(int base) { return kTileRows * tile_format(base).gguf_bytes; }
+inline int64_t tile_block_bytes(int base) {
+  return kTileRows * (base == Q4_K ? 144 : base == Q6_K ? 210 : tile_format(base).gguf_bytes);
+}
 
-// 16 rows of GGUF blocks (row_bytes apart) -> one tile of nb blocks.
-inline void tile_from_gguf(int base, const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
+// A K format's super-block as fields of GGUF's block: a field of 2 bytes (a float16) lies at tile + 2j for
+// row j, a longer one by 4-byte words, word t of row j at tile + 64t + 4j.
+struct KField {
+  int gguf, bytes, tile;
+};
+constexpr KField kQ4KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, 64}, {16, 128, 256}};
+constexpr KField kQ6KFields[] = {{0, 128, 0}, {128, 64, 2048}, {192, 16, 3072}, {208, 2, 3328}};
+
+// Copies a K-format super-block's fields from one side to the other: row j's GGUF block to its tile block
+// (ToTile), or back.
+template <bool ToTile, typename From, typename To>
+inline void k_field(const KField& f, From* from, To* to, int j) {
+  if (f.bytes == 2) {  // (fixed sizes: moves, not calls)
+    std::memcpy(to + (ToTile ? f.tile + 2 * j : f.gguf), from + (ToTile ? f.gguf : f.tile + 2 * j), 2);
+    return;
+  }
+  for (int i = 0; i < f.bytes; i += 4) {
+    const int64_t g = f.gguf + i, t = f.tile + 16 * i + 4 * j;
+    std::memcpy(to + (ToTile ? t : g), from + (ToTile ? g : t), 4);
+  }
+}
+template <bool ToTile, typename From, typename To>
+inline void k_fields(int base, From* from, To* to, int j) {
+  for (const KField& f : base == Q4_K ? kQ4KFields : kQ6KFields) k_field<ToTile>(f, from, to, j);
+}
+
+// 16 rows of GGUF blocks (row_bytes apart, K elements each) -> one tile.
+inline void tile_from_gguf(int base, const uint8_t* rows, int64_t row_bytes, int64_t K, uint8_t* tile) {
+  const int64_t nb = tile_blocks(base, K);
+  if (k_format(base)) {
+    const int64_t gb = tile_block_bytes(base) / kTileRows;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int j = 0; j < kTileRows; ++j)
+        k_fields<true>(base, rows + j * row_bytes + b * gb, tile + b * tile_block_bytes(base), j);
+    return;
+  }
   const TileFormat f = tile_format(base);
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* blk = tile + b * tile_block_bytes(base);
@@ -78,8 +126,15 @@ inline void tile_from_gguf(int base, const uint8_t* rows, int64_t row_bytes, int
   }
 }
 
-// Row j of a tile of nb blocks back to GGUF blocks (the inverse of tile_from_gguf for that row).
-inline void tile_row_to_gguf(int base, const uint8_t* tile, int64_t nb, int j, uint8_t* row) {
+// Row j of a tile (rows of K elements) back to GGUF blocks (the inverse of tile_from_gguf for that row).
+inline void tile_row_to_gguf(int base, const uint8_t* tile, int64_t K, int j, uint8_t* row) {
+  const int64_t nb = tile_blocks(base, K);
+  if (k_format(base)) {
+    const int64_t gb = tile_block_bytes(base) / kTileRows;
+    for (int64_t b = 0; b < nb; ++b)
+      k_fields<false>(base, tile + b * tile_block_bytes(base), row + b * gb, j);
+    return;
+  }
   const TileFormat f = tile_format(base);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = tile + b * tile_block_bytes(base);
@@ -102,18 +157,96 @@ inline const uint8_t* row_layout(int type, const uint8_t* w, int64_t row_bytes, 
   if (!is_tiled(type)) return w + n * row_bytes;
   const int base = base_type(type);
   buf.resize(2 * row_bytes);
-  tile_row_to_gguf(base, w + n / kTileRows * kTileRows * row_bytes, K / QK, (int)(n % kTileRows), buf.data() + row_bytes);
+  tile_row_to_gguf(base, w + n / kTileRows * kTileRows * row_bytes, K, (int)(n % kTileRows), buf.data() + row_bytes);
   repack_row(base, buf.data() + row_bytes, buf.data(), K);
   return buf.data();
 }
 
-// The values of a tile's 16 rows (nb blocks each) into y (row j at y + j ldy), float32 or bfloat16 (T =
-// float or uint16_t): the prompt path's dequantized weight tiles. Each value as the row layout's
-// dequantize_row(_bf16) gives it (the same per-block code).
-template <typename T>
-inline void dequantize_tile(int type, const uint8_t* tile, int64_t nb, T* y, int64_t ldy) {
-  const int base = base_type(type);
 #if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+// Byte k (0-3) of each int32 lane, zero- or sign-extended.
+template <int k>
+TM_INLINE __m512i lane_byte(__m512i v) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xFF)); }
+template <int k>
+TM_INLINE __m512i lane_sbyte(__m512i v) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * k), 24); }
+
+// A Q4_K tile block's 6-bit scales and mins, a lane per row: bytes 0-3 of sc[0] the scales of sub-blocks 0-3,
+// of sc[1] those of 4-7; mn likewise (GGUF's packing, as scale_min_k4 reads it: scales and mins 0-3 in the low
+// 6 bits of words 0 and 1, 4-7 in word 2's low and high nibbles with their top 2 bits in words 0 and 1).
+TM_INLINE void q4_k_scales(const uint8_t* blk, __m512i sc[2], __m512i mn[2]) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m6 = _mm512_set1_epi8(0x3F), m2 = _mm512_set1_epi8(0x3);
+  const __m512i w0 = _mm512_loadu_si512(blk + 64), w1 = _mm512_loadu_si512(blk + 128), w2 = _mm512_loadu_si512(blk + 192);
+  sc[0] = _mm512_and_si512(w0, m6), mn[0] = _mm512_and_si512(w1, m6);
+  sc[1] = _mm512_or_si512(_mm512_and_si512(w2, m4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), m2), 4));
+  mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), m4),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), m2), 4));
+}
+
+// Q6_K: in half h, the 6-bit codes of elements 128h + 32k + 4u + (0..3) of the 16 rows (a lane's 4 bytes).
+// For l = 4u..4u + 3 (u < 8), ql word u holds elements l (low nibbles) and l + 64 (high), ql word 8 + u
+// elements l + 32 and l + 96, and qh word u the top bits of all four (bits 0-1, 2-3, 4-5, 6-7).
+TM_INLINE __m512i q6_k_codes(const uint8_t* blk, int h, int k, int u) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
+  const __m512i a = _mm512_loadu_si512(blk + 64 * (16 * h + (k & 1) * 8 + u));
+  const __m512i hb = _mm512_loadu_si512(blk + 2048 + 64 * (8 * h + u));
+  const __m512i lo4 = k < 2 ? _mm512_and_si512(a, m4) : _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+  const __m512i hi2 = k == 0 ? _mm512_slli_epi16(hb, 4) : k == 1 ? _mm512_slli_epi16(hb, 2) : k == 2 ? hb : _mm512_srli_epi16(hb, 2);
+  return _mm512_ternarylogic_epi32(lo4, hi2, top, 0xF8);  // lo4 | (hi2 & top)
+}
+
+#endif
+
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+// A K-format tile's 16 rows of nb super-blocks dequantized (dequantize_tile's, below): each super-block's 16
+// GGUF blocks rebuilt (word fields transposed in registers), then dequantize_row(_bf16) on each, so the same
+// bits as out of the row layout. The rebuild costs these tiles' prompt rows 15-20% more dequantization than
+// the row layout's (docs/benchmarks.md, "Q4_K and Q6_K in tiles"); dequantizing 64 values of a row straight
+// from its transposed code words (as the 32-element formats do) measured slower still for Q4_K.
+template <typename T>
+inline void dequantize_k_tile(int base, const uint8_t* tile, int64_t nb, T* y, int64_t ldy) {
+  const int64_t block = tile_block_bytes(base);
+  const int64_t gb = block / kTileRows;
+  alignas(64) uint8_t rows[kTileRows * 210];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * block;
+    // The next super-block asked for now: its bytes would otherwise arrive only when the rebuild reads
+    // them, after this one's dequantization.
+    if (b + 1 < nb)
+      for (int64_t off = 0; off < block; off += 64) __builtin_prefetch(blk + block + off, 0, 3);
+    for (const KField& f : base == Q4_K ? kQ4KFields : kQ6KFields) {
+      if (f.bytes % 32 == 0) {  // 8 words of 16 rows at a time
+        for (int g = 0; g < f.bytes / 32; ++g)
+          group_blocks_each<8>(blk + f.tile + 512 * g, [&](int j, __m256i v) {
+            _mm256_storeu_si256((__m256i*)(rows + j * gb + f.gguf + 32 * g), v);
+          });
+      } else if (f.bytes % 16 == 0) {
+        for (int g = 0; g < f.bytes / 16; ++g)
+          group_blocks_each<4>(blk + f.tile + 256 * g, [&](int j, __m128i v) {
+            _mm_storeu_si128((__m128i*)(rows + j * gb + f.gguf + 16 * g), v);
+          });
+      } else {
+        for (int j = 0; j < kTileRows; ++j) k_field<false>(f, blk, rows + j * gb, j);
+      }
+    }
+    for (int j = 0; j < kTileRows; ++j) {
+      if constexpr (std::is_same_v<T, float>) dequantize_row(base, rows + j * gb, y + j * ldy + b * QKK, QKK);
+      else dequantize_row_bf16(base, rows + j * gb, y + j * ldy + b * QKK, QKK);
+    }
+  }
+}
+#endif
+
+// The values of a tile's 16 rows (K elements each) into y (row j at y + j ldy), float32 or bfloat16 (T =
+// float or uint16_t): the prompt path's dequantized weight tiles. Each value as the row layout's
+// dequantize_row(_bf16) gives it (the same per-block code; the K formats' through dequantize_k_tile).
+template <typename T>
+inline void dequantize_tile(int type, const uint8_t* tile, int64_t K, T* y, int64_t ldy) {
+  const int base = base_type(type);
+  const int64_t nb = tile_blocks(base, K);
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+  if (k_format(base)) {
+    dequantize_k_tile(base, tile, nb, y, ldy);
+    return;
+  }
   const TileFormat f = tile_format(base);
   const int64_t block = tile_block_bytes(base);
   for (int64_t b = 0; b < nb; ++b) {
@@ -148,7 +281,7 @@ inline void dequantize_tile(int type, const uint8_t* tile, int64_t nb, T* y, int
     }
   }
 #else
-  const int64_t K = nb * QK, row_bytes = nb * tile_block_bytes(base) / kTileRows;
+  const int64_t row_bytes = nb * tile_block_bytes(base) / kTileRows;
   std::vector<uint8_t> buf;
   for (int j = 0; j < kTileRows; ++j) {
     const uint8_t* row = row_layout(type, tile, row_bytes, j, K, buf);
@@ -157,6 +290,7 @@ inline void dequantize_tile(int type, const uint8_t* tile, int64_t nb, T* y, int
   }
 #endif
 }
+
 
 // The products of one tile (16 weight rows) with g input rows (1 <= g <= kRowGroup): out[16 r + j] for
 // input row r and weight row j of the tile.
@@ -225,6 +359,120 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(acc[r], off[r]));
 }
+
+// Q4_K, 16 rows a lane each: w = d sc_j c - dmin m_j in sub-block j (32 elements) of a super-block, against
+// inputs with one scale per 256 (QRow::per256: q, d, sums16). A lane's sub-block sum of c x (at most 32 * 15
+// * 127) times its 6-bit scale sums in int32 over the super-block, as the mins times the inputs' sub-block
+// sums do; then one float multiply each.
+template <int R, typename Ahead>
+TM_INLINE void tile_product_q4_k(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
+  constexpr int64_t block = kTileRows * 144;
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead(block);
+    const uint8_t* blk = tile + b * block;
+    __m512i sc[2], mn[2];
+    q4_k_scales(blk, sc, mn);
+    const __m512i sc03 = sc[0], sc47 = sc[1], mn03 = mn[0], mn47 = mn[1];
+    const uint8_t* codes = blk + 256;
+    const int32_t* xw[R];
+    __m512i isum[R], imin[R];
+    for (int r = 0; r < R; ++r) {
+      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
+      const int16_t* s16 = x[r].per256->sums16 + b * 16;
+      auto xs = [&](int j) { return _mm512_set1_epi32((int)s16[2 * j] + (int)s16[2 * j + 1]); };
+      imin[r] = _mm512_mullo_epi32(lane_byte<0>(mn03), xs(0));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<1>(mn03), xs(1)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<2>(mn03), xs(2)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<3>(mn03), xs(3)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<0>(mn47), xs(4)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<1>(mn47), xs(5)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<2>(mn47), xs(6)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<3>(mn47), xs(7)));
+      isum[r] = _mm512_setzero_si512();
+    }
+    // Chunk c (64 elements): code word u's low nibbles are elements 4u.. of sub-block 2c, its high ones of 2c + 1.
+    auto chunk = [&](int c, __m512i sa, __m512i sb) {
+      __m512i s0[R], s1[R];
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+      for (int u = 0; u < 8; ++u) {
+        const __m512i v = _mm512_loadu_si512(codes + 64 * (8 * c + u));
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int r = 0; r < R; ++r) {
+          s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(xw[r][16 * c + u]));
+          s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(xw[r][16 * c + 8 + u]));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(s0[r], sa), _mm512_mullo_epi32(s1[r], sb)));
+    };
+    chunk(0, lane_byte<0>(sc03), lane_byte<1>(sc03));
+    chunk(1, lane_byte<2>(sc03), lane_byte<3>(sc03));
+    chunk(2, lane_byte<0>(sc47), lane_byte<1>(sc47));
+    chunk(3, lane_byte<2>(sc47), lane_byte<3>(sc47));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x[r].per256->d[b * (QKK / QK)]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+// Q6_K, 16 rows a lane each: w = d sc_i (c - 32) in sub-block i (16 elements), c's low 4 bits in ql and its
+// top 2 in qh; against inputs with one scale per 256 (QRow::per256: q, d, sums16). A lane's sub-block sum
+// of c x less 32 times the inputs' sum there (at most 2^17 in size) times its signed 8-bit scale sums in
+// int32 over the super-block, then takes one float multiply.
+template <int R, typename Ahead>
+TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
+  constexpr int64_t block = kTileRows * 210;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead(block);
+    const uint8_t* blk = tile + b * block;
+    const __m512i scw[4] = {_mm512_loadu_si512(blk + 3072), _mm512_loadu_si512(blk + 3136),
+                            _mm512_loadu_si512(blk + 3200), _mm512_loadu_si512(blk + 3264)};
+    const int32_t* xw[R];
+    const int16_t* s16[R];
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) {
+      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
+      s16[r] = x[r].per256->sums16 + b * 16;
+      isum[r] = _mm512_setzero_si512();
+    }
+    // Part k of sub-block pair (8h + 2k, 8h + 2k + 1): elements 128h + 32k + 4u.., u = 0..7 (q6_k_codes).
+    auto part = [&](int h, int k, __m512i sa, __m512i sb) {
+      const int i = 8 * h + 2 * k;  // the first sub-block (u < 4), then i + 1
+      __m512i s[R];
+      for (int half = 0; half < 2; ++half) {
+        for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(-32 * (int)s16[r][i + half]);
+        for (int u = 4 * half; u < 4 * half + 4; ++u) {
+          const __m512i c = q6_k_codes(blk, h, k, u);
+          for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], c, _mm512_set1_epi32(xw[r][32 * h + 8 * k + u]));
+        }
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(s[r], half ? sb : sa));
+      }
+    };
+    // Scale i: byte i % 4 of word i / 4. Pairs (8h + 2k, 8h + 2k + 1).
+    part(0, 0, lane_sbyte<0>(scw[0]), lane_sbyte<1>(scw[0]));
+    part(0, 1, lane_sbyte<2>(scw[0]), lane_sbyte<3>(scw[0]));
+    part(0, 2, lane_sbyte<0>(scw[1]), lane_sbyte<1>(scw[1]));
+    part(0, 3, lane_sbyte<2>(scw[1]), lane_sbyte<3>(scw[1]));
+    part(1, 0, lane_sbyte<0>(scw[2]), lane_sbyte<1>(scw[2]));
+    part(1, 1, lane_sbyte<2>(scw[2]), lane_sbyte<3>(scw[2]));
+    part(1, 2, lane_sbyte<0>(scw[3]), lane_sbyte<1>(scw[3]));
+    part(1, 3, lane_sbyte<2>(scw[3]), lane_sbyte<3>(scw[3]));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 3328)));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r].per256->d[b * (QKK / QK)])), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
 #endif
 
 // The portable reference of tile_product: the same sums, lane by lane (not used where VNNI is: quant.py tiles
@@ -260,6 +508,53 @@ inline void tile_product_portable(int base, const uint8_t* tile, int64_t nb, con
     }
 }
 
+// The portable reference of the K formats' tile products: each row's GGUF block rebuilt, then the same
+// integer sums and float steps as tile_product_q4_k / _q6_k (so the same bits).
+inline void tile_product_k_portable(int base, const uint8_t* tile, int64_t nb, const QRow* x, int g, float* out) {
+  const int64_t block = tile_block_bytes(base);
+  uint8_t row[210];
+  for (int r = 0; r < g; ++r)
+    for (int j = 0; j < kTileRows; ++j) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        k_fields<false>(base, tile + b * block, row, j);
+        const int8_t* xq = x[r].per256->q + b * QKK;
+        const int16_t* s16 = x[r].per256->sums16 + b * 16;
+        const float dx = x[r].per256->d[b * (QKK / QK)];
+        int32_t isum = 0, imin = 0;
+        uint16_t h;
+        if (base == Q4_K) {
+          for (int sb = 0; sb < 8; ++sb) {  // sub-block sb: chunk sb / 2's low (even) or high (odd) nibbles
+            int sc, m, dot = 0;
+            scale_min_k4(sb, row + 4, sc, m);
+            for (int l = 0; l < 32; ++l) dot += ((row[16 + 32 * (sb / 2) + l] >> (4 * (sb % 2))) & 0xF) * xq[32 * sb + l];
+            isum += sc * dot;
+            imin += m * (s16[2 * sb] + s16[2 * sb + 1]);
+          }
+          std::memcpy(&h, row, 2);
+          acc = std::fma((float)isum, fp16(h) * dx, acc);
+          std::memcpy(&h, row + 2, 2);
+          acc = std::fma(-(float)imin, fp16(h) * dx, acc);
+        } else {
+          for (int i = 0; i < 16; ++i) {  // sub-block i: elements 16i.. (half i / 8, part (i % 8) / 2)
+            const int hh = i / 8, k = (i % 8) / 2;
+            int dot = -32 * s16[i];
+            for (int e = 0; e < 16; ++e) {
+              const int l = 16 * (i % 2) + e;
+              const uint8_t lq = row[64 * hh + 32 * (k % 2) + l], hq = row[128 + 32 * hh + l];
+              const int c = ((k < 2 ? lq : lq >> 4) & 0xF) | (((hq >> (2 * k)) & 3) << 4);
+              dot += c * xq[16 * i + e];
+            }
+            isum += (int8_t)row[192 + i] * dot;
+          }
+          std::memcpy(&h, row + 208, 2);
+          acc = std::fma((float)isum, fp16(h) * dx, acc);
+        }
+      }
+      out[16 * r + j] = acc;
+    }
+}
+
 template <typename Ahead>
 inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, int g, float* out, const Ahead& ahead) {
   const int base = base_type(type);
@@ -267,6 +562,8 @@ inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, 
   auto run = [&](auto r) {
     constexpr int R = decltype(r)::value;
     switch (base) {
+      case Q4_K: return tile_product_q4_k<R>(tile, nb, x, out, ahead);
+      case Q6_K: return tile_product_q6_k<R>(tile, nb, x, out, ahead);
       case Q8_0: return tile_product<R, Q8_0>(tile, nb, x, out, ahead);
       case Q4_0: return tile_product<R, Q4_0>(tile, nb, x, out, ahead);
       case Q4_1: return tile_product<R, Q4_1>(tile, nb, x, out, ahead);
@@ -282,7 +579,8 @@ inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, 
   }
 #else
   ahead(nb * tile_block_bytes(base));
-  tile_product_portable(base, tile, nb, x, g, out);
+  if (k_format(base)) tile_product_k_portable(base, tile, nb, x, g, out);
+  else tile_product_portable(base, tile, nb, x, g, out);
 #endif
 }
 
@@ -293,7 +591,7 @@ inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, 
 template <typename Store, typename Ahead>
 inline void tiled_rows(int type, const uint8_t* w, int64_t row_bytes, const QRow* x, int64_t M, int64_t K, int64_t n0,
                        int64_t n1, const Store& store, const Ahead& ahead) {
-  const int64_t nb = K / QK, tile_bytes = kTileRows * row_bytes;
+  const int64_t nb = tile_blocks(base_type(type), K), tile_bytes = kTileRows * row_bytes;
   float out[kTileRows * kRowGroup];
   for (int64_t t = n0 / kTileRows; t * kTileRows < n1; ++t) {
     const int64_t a = std::max(n0, t * kTileRows), b = std::min(n1, (t + 1) * kTileRows);

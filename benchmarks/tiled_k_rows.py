@@ -1,0 +1,89 @@
+"""Q4_K and Q6_K matrices in the two layouts of the engine (kernels/quant.h's rows, kernels/quant_tiles.h's
+tiles of 16 rows), the same random blocks, in one process: the byte products of 1-16 input rows (a decode,
+verify or batched step) and a prompt chunk's product through dequantized weights (bfloat16 inputs), each
+pair timed alternately, medians of the per-round ratios. Shapes: a 1B Llama's (hidden 2048, MLP 8192) and
+Gemma 3 270M's K-format matrices (Q4_K attn_output 640 x 1024, Q6_K ffn_down 640 x 2048).
+
+    python benchmarks/tiled_k_rows.py [--inputs 1 2 4 8 16] [--threads 1 2] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = [("1B ffn_gate", "Q4_K", 8192, 2048), ("1B ffn_down", "Q6_K", 2048, 8192), ("1B attn_q", "Q4_K", 2048, 2048),
+          ("Gemma attn_output", "Q4_K", 640, 1024), ("Gemma ffn_down", "Q6_K", 640, 2048)]
+TYPES = {"Q4_K": (12, 144), "Q6_K": (14, 210)}
+
+
+def random_blocks(qtype: str, n: int, k: int, rng):
+    """Valid blocks: random bytes, the float16 scales set to moderate values."""
+    import numpy as np
+
+    _, nbytes = TYPES[qtype]
+    data = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
+    halves = rng.uniform(1e-4, 2e-3, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        data[..., -2:] = halves[..., 0:2]
+    else:
+        data[..., 0:4] = halves.reshape(n, k // 256, 4)
+    return data.reshape(n, -1)
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+
+    from tokenmill.kernels import quant
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--inputs", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--prompt", type=int, default=256, help="rows of the prompt chunk (dequantized path)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--seconds", type=float, default=3.0, help="per product: seconds of alternated rounds")
+    args = ap.parse_args()
+    m = quant.load()
+    if m is None or not m.vnni:
+        sys.exit("needs the kernels built with AVX-512 VNNI (the tiles' CPUs)")
+    rng = np.random.default_rng(0)
+    print(f"{'matrix':18s} {'rows':>5s} {'threads':>7s}   row layout -> tiles (median ratio)")
+    for name, qtype, n, k in SHAPES:
+        code, _ = TYPES[qtype]
+        blocks = torch.from_numpy(random_blocks(qtype, n, k, rng))
+        layouts = {"rows": (m.repack(blocks, code, k), code), "tiles": (m.repack(blocks, code | quant.TILED, k), code | quant.TILED)}
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for rows in args.inputs + [args.prompt]:
+                prompt = rows == args.prompt
+                x = torch.randn(rows, k).bfloat16()
+
+                def run(layout: str) -> float:
+                    w, t = layouts[layout]
+                    reps = 2 if prompt else max(2, int(2e6 / (n * k)))
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        m.qmatmul(x, w, t, k, float_inputs=prompt)
+                    return (time.perf_counter() - start) / reps
+
+                for _ in range(3):
+                    run("rows"), run("tiles")
+                times = {"rows": [], "tiles": []}
+                end = time.time() + args.seconds
+                while time.time() < end:
+                    for layout in random.sample(["rows", "tiles"], 2):
+                        times[layout].append(run(layout))
+                ratio = statistics.median(a / b for a, b in zip(times["rows"], times["tiles"]))
+                label = f"{rows} (prompt)" if prompt else str(rows)
+                print(f"{name:18s} {label:>5s} {threads:>7d}   {statistics.median(times['rows']) * 1e6:9.1f} -> "
+                      f"{statistics.median(times['tiles']) * 1e6:9.1f} us ({ratio:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
