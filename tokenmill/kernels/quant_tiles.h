@@ -193,9 +193,6 @@ TM_INLINE __m512i q6_k_codes(const uint8_t* blk, int h, int k, int u) {
   return _mm512_ternarylogic_epi32(lo4, hi2, top, 0xF8);  // lo4 | (hi2 & top)
 }
 
-#endif
-
-#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
 // A K-format tile's 16 rows of nb super-blocks dequantized (dequantize_tile's, below): each super-block's 16
 // GGUF blocks rebuilt (word fields transposed in registers), then dequantize_row(_bf16) on each, so the same
 // bits as out of the row layout. The rebuild is what these tiles cost prompts: a short prompt's first token
@@ -290,7 +287,6 @@ inline void dequantize_tile(int type, const uint8_t* tile, int64_t K, T* y, int6
   }
 #endif
 }
-
 
 // The products of one tile (16 weight rows) with g input rows (1 <= g <= kRowGroup): out[16 r + j] for
 // input row r and weight row j of the tile.
