@@ -42,9 +42,13 @@ inline bool can_tile(int type) {
   return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q6_K;
 }
 inline bool k_format(int base) { return base == Q4_K || base == Q6_K; }
-// Elements of a row per block (a K format's super-block), and a row's blocks.
-inline int64_t tile_block_elems(int base) { return k_format(base) ? QKK : QK; }
-inline int64_t tile_blocks(int base, int64_t K) { return K / tile_block_elems(base); }
+// A format's GGUF block (quant.h's format_of: elements and bytes), a row's blocks, and a tile's block (16 rows).
+inline Format gguf_block(int base) {
+  Format f{};
+  format_of(base, f);
+  return f;
+}
+inline int64_t tile_blocks(int base, int64_t K) { return K / gguf_block(base).block; }
 
 // format_of for a type id that may carry kTiled: its format's blocks, where the format has kernels (and,
 // tiled, a tile kernel).
@@ -70,17 +74,19 @@ constexpr TileFormat tile_format(int base) {
          : base == Q5_0 ? TileFormat{22, -1, 32, 96, 16}
                         : TileFormat{24, 32, 64, 128, 16};  // Q5_1
 }
-inline int64_t tile_block_bytes(int base) {
-  return kTileRows * (base == Q4_K ? 144 : base == Q6_K ? 210 : tile_format(base).gguf_bytes);
-}
+inline int64_t tile_block_bytes(int base) { return kTileRows * gguf_block(base).bytes; }
 
 // A K format's super-block as fields of GGUF's block: a field of 2 bytes (a float16) lies at tile + 2j for
 // row j, a longer one by 4-byte words, word t of row j at tile + 64t + 4j.
 struct KField {
   int gguf, bytes, tile;
 };
-constexpr KField kQ4KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, 64}, {16, 128, 256}};
-constexpr KField kQ6KFields[] = {{0, 128, 0}, {128, 64, 2048}, {192, 16, 3072}, {208, 2, 3328}};
+// Where the kernels find them in a tile block (the layout at the top of this file):
+constexpr int kQ4KScales = 64, kQ4KCodes = 256;         // Q4_K: d at 0, dmin at 32
+constexpr int kQ6KHigh = 2048, kQ6KScales = 3072, kQ6KD = 3328;  // Q6_K: ql at 0
+constexpr KField kQ4KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, kQ4KScales}, {16, 128, kQ4KCodes}};
+constexpr KField kQ6KFields[] = {{0, 128, 0}, {128, 64, kQ6KHigh}, {192, 16, kQ6KScales}, {208, 2, kQ6KD}};
+constexpr int kMaxKBlockBytes = sizeof(BlockQ6_K);  // the larger of the two GGUF blocks
 
 // Copies a K-format super-block's fields from one side to the other: row j's GGUF block to its tile block
 // (ToTile), or back.
@@ -174,7 +180,8 @@ TM_INLINE __m512i lane_sbyte(__m512i v) { return _mm512_srai_epi32(_mm512_slli_e
 // 6 bits of words 0 and 1, 4-7 in word 2's low and high nibbles with their top 2 bits in words 0 and 1).
 TM_INLINE void q4_k_scales(const uint8_t* blk, __m512i sc[2], __m512i mn[2]) {
   const __m512i m4 = _mm512_set1_epi8(0xF), m6 = _mm512_set1_epi8(0x3F), m2 = _mm512_set1_epi8(0x3);
-  const __m512i w0 = _mm512_loadu_si512(blk + 64), w1 = _mm512_loadu_si512(blk + 128), w2 = _mm512_loadu_si512(blk + 192);
+  const uint8_t* w = blk + kQ4KScales;
+  const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128);
   sc[0] = _mm512_and_si512(w0, m6), mn[0] = _mm512_and_si512(w1, m6);
   sc[1] = _mm512_or_si512(_mm512_and_si512(w2, m4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), m2), 4));
   mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), m4),
@@ -187,7 +194,7 @@ TM_INLINE void q4_k_scales(const uint8_t* blk, __m512i sc[2], __m512i mn[2]) {
 TM_INLINE __m512i q6_k_codes(const uint8_t* blk, int h, int k, int u) {
   const __m512i m4 = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
   const __m512i a = _mm512_loadu_si512(blk + 64 * (16 * h + (k & 1) * 8 + u));
-  const __m512i hb = _mm512_loadu_si512(blk + 2048 + 64 * (8 * h + u));
+  const __m512i hb = _mm512_loadu_si512(blk + kQ6KHigh + 64 * (8 * h + u));
   const __m512i lo4 = k < 2 ? _mm512_and_si512(a, m4) : _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
   const __m512i hi2 = k == 0 ? _mm512_slli_epi16(hb, 4) : k == 1 ? _mm512_slli_epi16(hb, 2) : k == 2 ? hb : _mm512_srli_epi16(hb, 2);
   return _mm512_ternarylogic_epi32(lo4, hi2, top, 0xF8);  // lo4 | (hi2 & top)
@@ -202,7 +209,7 @@ template <typename T>
 inline void dequantize_k_tile(int base, const uint8_t* tile, int64_t nb, T* y, int64_t ldy) {
   const int64_t block = tile_block_bytes(base);
   const int64_t gb = block / kTileRows;
-  alignas(64) uint8_t rows[kTileRows * 210];
+  alignas(64) uint8_t rows[kTileRows * kMaxKBlockBytes];
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = tile + b * block;
     // The next super-block asked for now: its bytes would otherwise arrive only when the rebuild reads
@@ -371,22 +378,21 @@ TM_INLINE void tile_product_q4_k(const uint8_t* tile, int64_t nb, const QRow* x,
     const uint8_t* blk = tile + b * block;
     __m512i sc[2], mn[2];
     q4_k_scales(blk, sc, mn);
-    const __m512i sc03 = sc[0], sc47 = sc[1], mn03 = mn[0], mn47 = mn[1];
-    const uint8_t* codes = blk + 256;
+    const uint8_t* codes = blk + kQ4KCodes;
     const int32_t* xw[R];
     __m512i isum[R], imin[R];
     for (int r = 0; r < R; ++r) {
       xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
       const int16_t* s16 = x[r].per256->sums16 + b * 16;
       auto xs = [&](int j) { return _mm512_set1_epi32((int)s16[2 * j] + (int)s16[2 * j + 1]); };
-      imin[r] = _mm512_mullo_epi32(lane_byte<0>(mn03), xs(0));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<1>(mn03), xs(1)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<2>(mn03), xs(2)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<3>(mn03), xs(3)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<0>(mn47), xs(4)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<1>(mn47), xs(5)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<2>(mn47), xs(6)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<3>(mn47), xs(7)));
+      imin[r] = _mm512_mullo_epi32(lane_byte<0>(mn[0]), xs(0));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<1>(mn[0]), xs(1)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<2>(mn[0]), xs(2)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<3>(mn[0]), xs(3)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<0>(mn[1]), xs(4)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<1>(mn[1]), xs(5)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<2>(mn[1]), xs(6)));
+      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte<3>(mn[1]), xs(7)));
       isum[r] = _mm512_setzero_si512();
     }
     // Chunk c (64 elements): code word u's low nibbles are elements 4u.. of sub-block 2c, its high ones of 2c + 1.
@@ -404,10 +410,10 @@ TM_INLINE void tile_product_q4_k(const uint8_t* tile, int64_t nb, const QRow* x,
       for (int r = 0; r < R; ++r)
         isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(s0[r], sa), _mm512_mullo_epi32(s1[r], sb)));
     };
-    chunk(0, lane_byte<0>(sc03), lane_byte<1>(sc03));
-    chunk(1, lane_byte<2>(sc03), lane_byte<3>(sc03));
-    chunk(2, lane_byte<0>(sc47), lane_byte<1>(sc47));
-    chunk(3, lane_byte<2>(sc47), lane_byte<3>(sc47));
+    chunk(0, lane_byte<0>(sc[0]), lane_byte<1>(sc[0]));
+    chunk(1, lane_byte<2>(sc[0]), lane_byte<3>(sc[0]));
+    chunk(2, lane_byte<0>(sc[1]), lane_byte<1>(sc[1]));
+    chunk(3, lane_byte<2>(sc[1]), lane_byte<3>(sc[1]));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
     for (int r = 0; r < R; ++r) {
@@ -431,8 +437,9 @@ TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x,
   for (int64_t b = 0; b < nb; ++b) {
     ahead(block);
     const uint8_t* blk = tile + b * block;
-    const __m512i scw[4] = {_mm512_loadu_si512(blk + 3072), _mm512_loadu_si512(blk + 3136),
-                            _mm512_loadu_si512(blk + 3200), _mm512_loadu_si512(blk + 3264)};
+    const uint8_t* sw = blk + kQ6KScales;
+    const __m512i scw[4] = {_mm512_loadu_si512(sw), _mm512_loadu_si512(sw + 64), _mm512_loadu_si512(sw + 128),
+                            _mm512_loadu_si512(sw + 192)};
     const int32_t* xw[R];
     const int16_t* s16[R];
     __m512i isum[R];
@@ -463,7 +470,7 @@ TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x,
     part(1, 1, lane_sbyte<2>(scw[2]), lane_sbyte<3>(scw[2]));
     part(1, 2, lane_sbyte<0>(scw[3]), lane_sbyte<1>(scw[3]));
     part(1, 3, lane_sbyte<2>(scw[3]), lane_sbyte<3>(scw[3]));
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 3328)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + kQ6KD)));
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r].per256->d[b * (QKK / QK)])), acc[r]);
   }
@@ -508,7 +515,7 @@ inline void tile_product_portable(int base, const uint8_t* tile, int64_t nb, con
 // integer sums and float steps as tile_product_q4_k / _q6_k (so the same bits).
 inline void tile_product_k_portable(int base, const uint8_t* tile, int64_t nb, const QRow* x, int g, float* out) {
   const int64_t block = tile_block_bytes(base);
-  uint8_t row[210];
+  uint8_t row[kMaxKBlockBytes];
   for (int r = 0; r < g; ++r)
     for (int j = 0; j < kTileRows; ++j) {
       float acc = 0.f;
