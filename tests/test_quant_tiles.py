@@ -104,17 +104,62 @@ def test_tiled_and_row_layouts_agree(kernels):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_prompt_rows_meet_the_same_dequantized_weights(kernels, dtype):
-    """A prompt's rows multiply the weights dequantized to their dtype: out of tiles, the same values as out
-    of rows, so the same products, bit for bit."""
+    """A prompt's rows multiply the weights dequantized to their dtype, out of tiles as out of rows: the
+    gguf package's values (rounded to bfloat16 for bfloat16 inputs), bit for bit, read back through one-hot
+    input rows (bfloat16 tiles take the pair products of kernels/quant_pairs.h where the CPU has AVX-512
+    BF16, the rest a dequantized copy and torch's GEMM)."""
     rng = np.random.default_rng(9)
     for qtype in TILE_TYPES:
         k = width(qtype, 640)
-        data = random_blocks(qtype, 64, k, rng)
-        x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32)).to(dtype)
-        rows = kernels.qmatmul(x, kernels.repack(torch.from_numpy(data), int(qtype), k), int(qtype), k,
-                               float_inputs=True)
-        tiles = kernels.qmatmul(x, tiled(kernels, qtype, data, k), int(qtype) | quant.TILED, k, float_inputs=True)
-        assert torch.equal(tiles, rows), qtype.name
+        data = random_blocks(qtype, 48, k, rng)
+        want = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(48, k)).to(dtype).t()
+        eye = torch.eye(k, dtype=dtype)
+        for layout in (int(qtype), int(qtype) | quant.TILED):
+            w = kernels.repack(torch.from_numpy(data), layout, k)
+            assert torch.equal(kernels.qmatmul(eye, w, layout, k, float_inputs=True), want), (qtype.name, layout)
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+def test_bfloat16_prompt_rows_match_float64(kernels, qtype):
+    """bfloat16 prompt rows through tiles, 1 to 40 of them (passes of 12 rows and what is left; a matrix of
+    one tile, of three, of four): within the output's bfloat16 rounding and float32 sums of the exact
+    float64 product of the same bfloat16 inputs and weights."""
+    rng = np.random.default_rng(int(qtype) + 11)
+    for n, k in shapes(qtype):
+        data = random_blocks(qtype, n, k, rng)
+        w = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(n, k)).bfloat16().double()
+        wt = tiled(kernels, qtype, data, k)
+        for batch in (1, 5, 12, 13, 40):
+            x = torch.from_numpy(rng.standard_normal((batch, k)).astype(np.float32)).bfloat16()
+            got = kernels.qmatmul(x, wt, int(qtype) | quant.TILED, k, float_inputs=True)
+            assert got.dtype == torch.bfloat16
+            want = x.double() @ w.t()
+            bound = 2.0 ** -8 * want.abs() + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-30
+            assert torch.all((got.double() - want).abs() <= bound), (n, k, batch)
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+def test_a_prompt_row_s_product_does_not_depend_on_the_chunk(kernels, qtype):
+    """A bfloat16 prompt row's product through tiles is the same bits whether the row comes alone or among
+    others (another pass of rows, another place in it: a prompt split into other chunks, or partly held by
+    the prefix cache), on one thread or two, and wherever its tile lies in the matrix."""
+    rng = np.random.default_rng(int(qtype) + 5)
+    k = width(qtype, 1120)
+    data = random_blocks(qtype, 48, k, rng)
+    w = tiled(kernels, qtype, data, k)
+    typ = int(qtype) | quant.TILED
+    x = torch.from_numpy(rng.standard_normal((30, k)).astype(np.float32)).bfloat16()
+    whole = kernels.qmatmul(x, w, typ, k, float_inputs=True)
+    for a, b in ((0, 1), (7, 8), (3, 17), (5, 30)):
+        assert torch.equal(kernels.qmatmul(x[a:b], w, typ, k, float_inputs=True), whole[a:b]), (a, b)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.qmatmul(x, w, typ, k, float_inputs=True), whole)
+    finally:
+        torch.set_num_threads(threads)
+    one_tile = kernels.qmatmul(x, tiled(kernels, qtype, np.ascontiguousarray(data[16:32]), k), typ, k, float_inputs=True)
+    assert torch.equal(one_tile, whole[:, 16:32])
 
 
 def test_which_matrices_are_tiled():

@@ -3,10 +3,12 @@
 //
 //  - Few input rows (decode, short chunks): the weight is read once, row by row, through quant.h's integer
 //    dot products, the inputs quantized to int8 in blocks of 32. The weight stream is the cost.
-//  - float_rows_for() rows or more (prompt chunks, large batches): tiles of weight rows are dequantized to
-//    the inputs' dtype (float32 or bfloat16) and multiplied by torch's GEMM. The multiply-adds are the cost
-//    there, and a float GEMM does more of them per cycle than byte products; the inputs also keep their
-//    float values (no int8 rounding), so a prompt's logits are those of the dequantized model.
+//  - float_rows_for() rows or more (prompt chunks, large batches): the weights are dequantized to the
+//    inputs' dtype (float32 or bfloat16) and multiplied as floats. The multiply-adds are the cost there, and
+//    the inputs keep their float values (no int8 rounding), so a prompt's logits are those of the dequantized
+//    model. Tiled weights and bfloat16 inputs on CPUs with AVX-512 BF16: panels of 32 rows dequantized in
+//    cache and multiplied there (quant_pairs.h, pair_product below); otherwise a thousand or more rows at a
+//    time dequantized into a buffer, then torch's GEMM.
 #pragma once
 
 #include <torch/extension.h>
@@ -19,6 +21,7 @@
 
 #include "quant.h"
 #include "quant_amx.h"
+#include "quant_pairs.h"
 #include "quant_tiles.h"
 
 namespace tmq {
@@ -113,6 +116,33 @@ inline torch::Tensor gemm_linear(const torch::Tensor& x, const torch::Tensor& w,
   return bucketed_rows(x, torch::Tensor(), [&](const torch::Tensor& rows) { return at::linear(rows, w, bias); });
 }
 
+#ifdef TM_QUANT_PAIRS
+// y [M, N] (bfloat16, unit column stride) = x [M, K] (bfloat16) W^T, W tiled (N a multiple of 16): panels of
+// two tiles (one where K is long: the pairs of two 16384-wide tiles would outgrow L2) on torch's threads.
+inline void pair_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const torch::Tensor& x,
+                         torch::Tensor& y) {
+  const int base = base_type(type);
+  const int64_t M = x.size(0), K = x.size(1), tiles = N / kTileRows, pairs = K / 2;
+  const int W = K <= 8192 ? 2 : 1;
+  const torch::Tensor xc = x.contiguous();
+  const uint16_t* xp = (const uint16_t*)xc.data_ptr();
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const int64_t ldy = y.stride(0);
+  for_tiles((tiles + W - 1) / W, [&](int64_t p) {
+    const int64_t t0 = p * W, nt = std::min<int64_t>(W, tiles - t0);
+    thread_local std::vector<uint32_t> buf;  // kept between calls: a fresh one would fault its pages in
+    if ((int64_t)buf.size() < nt * pairs * 16) buf.resize(nt * pairs * 16);
+    for (int64_t t = 0; t < nt; ++t) tile_pairs(base, w + (t0 + t) * kTileRows * row_bytes, K, buf.data() + t * pairs * 16);
+    for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
+      const int rows = (int)std::min<int64_t>(kPairRows, M - m0);
+      uint16_t* out = yp + m0 * ldy + t0 * kTileRows;
+      if (nt == 2) pair_rows_n<2>(rows, xp + m0 * K, K, buf.data(), pairs, out, ldy);
+      else pair_rows_n<1>(rows, xp + m0 * K, K, buf.data(), pairs, out, ldy);
+    }
+  });
+}
+#endif
+
 // y [M, N] = x [M, K] W^T through tiles of W dequantized to x's dtype (float32 or bfloat16) and torch's
 // GEMM: a bfloat16 model's prompt rows meet bfloat16 weights, as with the file dequantized at load, and
 // run on the CPU's bfloat16 matrix units (AMX, AVX-512 BF16) where it has them, several times the float32
@@ -121,6 +151,9 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
                                 torch::Tensor& y) {
   const int64_t K = x.size(1);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
+#ifdef TM_QUANT_PAIRS
+  if (bf16 && is_tiled(type) && y.stride(1) == 1) return pair_product(type, w, row_bytes, N, x, y);
+#endif
   int64_t tile = std::min<int64_t>(N, std::max<int64_t>(kDequantTileRows, kDequantTileFloats / K));
   if (is_tiled(type)) tile = tile / kTileRows * kTileRows;  // (whole tiles of rows: N is)
   thread_local std::vector<float> scratch;  // kept between calls: a fresh one would fault its pages in
