@@ -1,9 +1,11 @@
 """A prompt chunk's product with a quantized matrix (bfloat16 inputs) three ways, in one process, alternated:
 torch's bfloat16 GEMM on a bfloat16 matrix of the same shape (the BF16 file's product), the row layout's
-dequantized copy and torch's GEMM, and the tiles' pair products (kernels/quant_pairs.h). Random blocks;
+dequantized copy and torch's GEMM, and the tiles' pair products (kernels/quant_pairs.h); and, for
+comparison, the tiles' int8 products (the path of decode rows below the float-rows switch, taken here
+whatever the count). Random blocks;
 a 1B Llama's shapes (hidden 2048, MLP 8192; Q4_K, Q6_K and Q4_0 as its Q4_K_M and Q4_0 files hold them),
 Gemma 3 270M's Q8_0 MLP and the default model's Q4_1 MLP. Prints milliseconds for the bfloat16 GEMM and
-the other two's time as a multiple of it (medians of alternated rounds).
+the others' time as a multiple of it (medians of alternated rounds).
 
     python benchmarks/pair_products.py [--rows 16 64 256 512] [--threads 2] [--seconds 2]
 """
@@ -55,8 +57,10 @@ def main() -> None:
     if m is None or not quant.tiles_for(8, 16):
         sys.exit("needs the kernels' tiles (AVX-512 VNNI without AMX)")
     torch.set_num_threads(args.threads)
+    quant.set_float_rows(1 << 20)  # int8 products whatever the count (float_inputs=True still sends rows to floats)
     rng = np.random.default_rng(0)
-    print(f"{'matrix':16s} {'format':6s} {'rows':>5s}  bf16 GEMM    row layout, dequantized   tiles, pair products")
+    print(f"{'matrix':16s} {'format':6s} {'rows':>5s}  bf16 GEMM    row layout, dequantized   tiles, pair products"
+          "   tiles, int8 products")
     for name, qtype, n, k in SHAPES:
         code, data = random_blocks(qtype, n, k, rng)
         rows = m.repack(torch.from_numpy(data), code, k)
@@ -66,7 +70,8 @@ def main() -> None:
             x = torch.randn(count, k).bfloat16()
             runs = {"bf16": lambda: torch.nn.functional.linear(x, dense),
                     "rows": lambda: m.qmatmul(x, rows, code, k, float_inputs=True),
-                    "pairs": lambda: m.qmatmul(x, tiles, code | quant.TILED, k, float_inputs=True)}
+                    "pairs": lambda: m.qmatmul(x, tiles, code | quant.TILED, k, float_inputs=True),
+                    "int8": lambda: m.qmatmul(x, tiles, code | quant.TILED, k)}
             for run in runs.values():
                 run(), run()
             times = {key: [] for key in runs}
@@ -78,7 +83,8 @@ def main() -> None:
                     times[key].append(time.perf_counter() - start)
             med = {key: statistics.median(v) for key, v in times.items()}
             print(f"{name:16s} {qtype:6s} {count:5d}  {med['bf16'] * 1e3:7.2f} ms   {med['rows'] / med['bf16']:10.2f}x"
-                  f"                {med['pairs'] / med['bf16']:10.2f}x", flush=True)
+                  f"                {med['pairs'] / med['bf16']:10.2f}x            {med['int8'] / med['bf16']:10.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":
