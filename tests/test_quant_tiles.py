@@ -11,8 +11,8 @@ from tokenmill.kernels import quant  # noqa: E402
 from tests.test_quant_kernels import kernels, quantized_activation, random_blocks  # noqa: E402,F401
 
 T = gguf.GGMLQuantizationType
-TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K]
-K_TYPES = (T.Q4_K, T.Q6_K)
+TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 def shapes(qtype) -> list[tuple[int, int]]:
@@ -177,8 +177,10 @@ def test_which_matrices_are_tiled():
     assert quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=16).tiled == expect
     q6 = random_blocks(T.Q6_K, 16, 256, rng)
     assert quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled == expect
-    q5 = random_blocks(T.Q5_K, 16, 256, rng)  # (no tile kernel)
-    assert not quant.QuantizedWeight.from_blocks(13, (16, 256), torch.from_numpy(q5)).tiled
+    q5 = random_blocks(T.Q5_K, 16, 256, rng)
+    assert quant.QuantizedWeight.from_blocks(13, (16, 256), torch.from_numpy(q5)).tiled == expect
+    mx = random_blocks(T.MXFP4, 16, 256, rng)  # (no tile kernel)
+    assert not quant.QuantizedWeight.from_blocks(39, (16, 256), torch.from_numpy(mx)).tiled
     quant.set_tiles(False)
     try:
         assert not quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data)).tiled
@@ -187,4 +189,4 @@ def test_which_matrices_are_tiled():
     with pytest.raises(ValueError, match="interleaved by 16"):
         quant.QuantizedWeight(8 | quant.TILED, (40, 64), torch.zeros(40, 68, dtype=torch.uint8))
     with pytest.raises(ValueError, match="no kernel"):
-        quant.QuantizedWeight(13 | quant.TILED, (16, 256), torch.zeros(16, 176, dtype=torch.uint8))
+        quant.QuantizedWeight(39 | quant.TILED, (16, 256), torch.zeros(16, 136, dtype=torch.uint8))

@@ -33,11 +33,16 @@ def _q4_k_m(name: str) -> str:  # llama.cpp's Q4_K_M mix: Q6_K for v and down, Q
     return "Q5_K" if name.startswith("token_embd") else "Q4_K"
 
 
+def _q5_k_m(name: str) -> str:  # llama.cpp's Q5_K_M mix: Q6_K for v and down, Q5_K elsewhere
+    return "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q5_K"
+
+
 VARIANTS = {
     "Q8_0": lambda name: "Q8_0",
     "Q4_0": lambda name: "Q8_0" if name.startswith("output") else "Q4_0",
     "Q4_1": lambda name: "Q4_1",
     "Q4_K_M": _q4_k_m,
+    "Q5_K_M": _q5_k_m,
     # q, k and v in different formats (one merged projection, three kernels), gate and up too (Q4_1 and
     # MXFP4); TQ2_0 has no kernel (dequantized)
     "mixed": lambda name: {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
@@ -151,7 +156,7 @@ def _decode_runs(path, dtype, fused, prompts):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["Q8_0", "Q4_0", "Q4_K_M", "mixed"])
+@pytest.mark.parametrize("variant", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "mixed"])
 def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant, dtype, int8_products):
     """The whole-step decoder reads the blocks in place (each format; a merged projection in two formats; an
     output layer tied to a quantized embedding or its own), for one request (one row per pass over the
@@ -170,11 +175,11 @@ def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant,
     if cpu_kernels.load() is None:
         pytest.skip("the CPU decode kernels do not run here")
     path = quantized_files[variant]
-    if variant == "Q4_K_M":  # its Q4_K and Q6_K matrices in tiles of 16 rows where the CPU takes them
+    if variant in ("Q4_K_M", "Q5_K_M"):  # its K-format matrices in tiles of 16 rows where the CPU takes them
         m = quant.load()
         layer = LLM(path, dtype=dtype, kv_cache_memory="16MiB").engine.model.layers[0]
         parts = layer.self_attn.qkv_proj.qparts + layer.mlp.down_proj.qparts
-        assert {p.name for p in parts} == {"Q4_K", "Q6_K"}
+        assert {p.name for p in parts} == {variant[:4], "Q6_K"}
         assert all(p.tiled == bool(m.vnni and not m.amx) for p in parts)
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 2 * i)] for i in range(33)]
     greedy, sampled = _decode_runs(path, dtype, True, prompts)

@@ -99,8 +99,9 @@ TM_INLINE void block_pairs(const uint8_t* blk, uint32_t* out) {
   }
 }
 
-// Q4_K: a super-block's 16 rows of 256 values -> 128 pair vectors.
-TM_INLINE void q4_k_pairs(const uint8_t* blk, uint32_t* out) {
+// Q4_K (Q5_K with FIVE): a super-block's 16 rows of 256 values -> 128 pair vectors.
+template <bool FIVE>
+TM_INLINE void q45_k_pairs(const uint8_t* blk, uint32_t* out) {
   const __m512 d = half_lanes(blk), dmin = half_lanes(blk + 32);
   __m512i sc[2], mn[2];
   q4_k_scales(blk, sc, mn);
@@ -110,10 +111,15 @@ TM_INLINE void q4_k_pairs(const uint8_t* blk, uint32_t* out) {
     offset[s] = _mm512_mul_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(lane_byte_at(mn[s / 4], s % 4))), _mm512_set1_ps(-1.f));
   }
   for (int t = 0; t < 32; ++t) {  // qs word t: bytes 4t .. 4t + 3 of the 128; chunk j = t / 8 of 32 bytes
-    const __m512i v = _mm512_loadu_si512(blk + kQ4KCodes + 64 * t);
+    const __m512i v = _mm512_loadu_si512(blk + (FIVE ? kQ5KCodes : kQ4KCodes) + 64 * t);
     const int j = t / 8, e = 64 * j + 4 * (t % 8);  // low nibbles: elements e .. e + 3 (sub-block 2j), high: + 32
+    // Q5_K: qh word t % 8 holds elements e.. of every chunk, bit 2j (low nibbles) or 2j + 1 of each byte.
+    const __m512i qh = FIVE ? _mm512_loadu_si512(blk + kQ5KHigh + 64 * (t % 8)) : _mm512_setzero_si512();
     for (int half = 0; half < 2; ++half) {
-      const __m512i q[4] = {lane_nibble(v, half), lane_nibble(v, 2 + half), lane_nibble(v, 4 + half), lane_nibble(v, 6 + half)};
+      __m512i q[4] = {lane_nibble(v, half), lane_nibble(v, 2 + half), lane_nibble(v, 4 + half), lane_nibble(v, 6 + half)};
+      if (FIVE)
+        for (int i = 0; i < 4; ++i)
+          q[i] = _mm512_or_si512(q[i], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 8 * i + 2 * j + half), _mm512_set1_epi32(1)), 4));
       pair_values(q, scale[2 * j + half], offset[2 * j + half], out + 8 * (e + 32 * half));
     }
   }
@@ -153,7 +159,8 @@ inline void tile_pairs(int base, const uint8_t* tile, int64_t K, uint32_t* out) 
       case Q4_1: block_pairs<Q4_1>(blk, o); break;
       case Q5_0: block_pairs<Q5_0>(blk, o); break;
       case Q5_1: block_pairs<Q5_1>(blk, o); break;
-      case Q4_K: q4_k_pairs(blk, o); break;
+      case Q4_K: q45_k_pairs<false>(blk, o); break;
+      case Q5_K: q45_k_pairs<true>(blk, o); break;
       default: q6_k_pairs(blk, o); break;
     }
   }

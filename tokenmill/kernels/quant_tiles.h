@@ -1,4 +1,4 @@
-// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K blocks,
+// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks,
 // for the byte products of a few input rows (decode, speculative verify steps, small batches).
 //
 // In the row layout (quant.h) a vector's 16 int32 lanes are 16 blocks of one weight row: each pair of weight
@@ -14,6 +14,7 @@
 // super-block b of a tile of the K formats (256 elements a row, GGUF's fields interleaved by 4-byte words):
 //   Q4_K  [16 float16 d] [16 float16 dmin] [3 x 64 bytes: word w of row j's 12 packed 6-bit scales and mins
 //         at 64w + 4j] [32 x 64 bytes: word t of row j's codes (qs) at 64t + 4j]
+//   Q5_K  as Q4_K, with [8 x 64 bytes: the fifth bits' words (qh)] between the scales and the codes
 //   Q6_K  [32 x 64 bytes: ql words] [16 x 64 bytes: qh words] [4 x 64 bytes: the 16 int8 scales' words]
 //         [16 float16 d]
 // The
@@ -29,6 +30,8 @@
 // (fused decoder or module) or row split asks for it, so it never depends on the schedule.
 #pragma once
 
+#include <iterator>
+
 #include "quant.h"
 
 namespace tmq {
@@ -39,9 +42,10 @@ constexpr int kTileRows = 16;
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int base_type(int type) { return type & ~kTiled; }
 inline bool can_tile(int type) {
-  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q6_K;
+  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q5_K ||
+         type == Q6_K;
 }
-inline bool k_format(int base) { return base == Q4_K || base == Q6_K; }
+inline bool k_format(int base) { return base == Q4_K || base == Q5_K || base == Q6_K; }
 // A format's GGUF block (quant.h's format_of: elements and bytes), a row's blocks, and a tile's block (16 rows).
 inline Format gguf_block(int base) {
   Format f{};
@@ -82,11 +86,25 @@ struct KField {
   int gguf, bytes, tile;
 };
 // Where the kernels find them in a tile block (the layout at the top of this file):
-constexpr int kQ4KScales = 64, kQ4KCodes = 256;         // Q4_K: d at 0, dmin at 32
+constexpr int kQ4KScales = 64, kQ4KCodes = 256;         // Q4_K (and Q5_K): d at 0, dmin at 32
+constexpr int kQ5KHigh = 256, kQ5KCodes = 768;
 constexpr int kQ6KHigh = 2048, kQ6KScales = 3072, kQ6KD = 3328;  // Q6_K: ql at 0
 constexpr KField kQ4KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, kQ4KScales}, {16, 128, kQ4KCodes}};
+constexpr KField kQ5KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, kQ4KScales}, {16, 32, kQ5KHigh}, {48, 128, kQ5KCodes}};
 constexpr KField kQ6KFields[] = {{0, 128, 0}, {128, 64, kQ6KHigh}, {192, 16, kQ6KScales}, {208, 2, kQ6KD}};
-constexpr int kMaxKBlockBytes = sizeof(BlockQ6_K);  // the larger of the two GGUF blocks
+constexpr int kMaxKBlockBytes = sizeof(BlockQ6_K);  // the largest of the three GGUF blocks
+
+// A K format's fields.
+struct KFields {
+  const KField* begin() const { return first; }
+  const KField* end() const { return last; }
+  const KField *first, *last;
+};
+inline KFields k_fields_of(int base) {
+  if (base == Q4_K) return {std::begin(kQ4KFields), std::end(kQ4KFields)};
+  if (base == Q5_K) return {std::begin(kQ5KFields), std::end(kQ5KFields)};
+  return {std::begin(kQ6KFields), std::end(kQ6KFields)};
+}
 
 // Copies a K-format super-block's fields from one side to the other: row j's GGUF block to its tile block
 // (ToTile), or back.
@@ -103,7 +121,7 @@ inline void k_field(const KField& f, From* from, To* to, int j) {
 }
 template <bool ToTile, typename From, typename To>
 inline void k_fields(int base, From* from, To* to, int j) {
-  for (const KField& f : base == Q4_K ? kQ4KFields : kQ6KFields) k_field<ToTile>(f, from, to, j);
+  for (const KField& f : k_fields_of(base)) k_field<ToTile>(f, from, to, j);
 }
 
 // 16 rows of GGUF blocks (row_bytes apart, K elements each) -> one tile.
@@ -216,7 +234,7 @@ inline void dequantize_k_tile(int base, const uint8_t* tile, int64_t nb, T* y, i
     // them, after this one's dequantization.
     if (b + 1 < nb)
       for (int64_t off = 0; off < block; off += 64) __builtin_prefetch(blk + block + off, 0, 3);
-    for (const KField& f : base == Q4_K ? kQ4KFields : kQ6KFields) {
+    for (const KField& f : k_fields_of(base)) {
       if (f.bytes % 32 == 0) {  // 8 words of 16 rows at a time
         for (int g = 0; g < f.bytes / 32; ++g)
           group_blocks_each<8>(blk + f.tile + 512 * g, [&](int j, __m256i v) {
@@ -363,13 +381,21 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(acc[r], off[r]));
 }
 
-// Q4_K, 16 rows a lane each: w = d sc_j c - dmin m_j in sub-block j (32 elements) of a super-block, against
-// inputs with one scale per 256 (QRow::per256: q, d, sums16). A lane's sub-block sum of c x (at most 32 * 15
-// * 127) times its 6-bit scale sums in int32 over the super-block, as the mins times the inputs' sub-block
-// sums do; then one float multiply each.
-template <int R, typename Ahead>
-TM_INLINE void tile_product_q4_k(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
-  constexpr int64_t block = kTileRows * 144;
+// Bit `bit` (0-7) of each byte of v moved to bit 4 of that byte, the other bits cleared: a Q5_K code's fifth
+// bit out of its qh byte.
+TM_INLINE __m512i fifth_bit(__m512i v, int bit) {
+  const __m512i b4 = _mm512_set1_epi8(0x10);
+  return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(v, 4 - bit) : _mm512_srli_epi16(v, bit - 4), b4);
+}
+
+// Q4_K (Q5_K with FIVE), 16 rows a lane each: w = d sc_j c - dmin m_j in sub-block j (32 elements) of a
+// super-block, against inputs with one scale per 256 (QRow::per256: q, d, sums16). A lane's sub-block sum of
+// c x (at most 32 * 31 * 127) times its 6-bit scale sums in int32 over the super-block, as the mins times
+// the inputs' sub-block sums do; then one float multiply each. Q5_K's fifth bits: bit j of qh byte l is
+// element l's of sub-block j.
+template <int R, bool FIVE, typename Ahead>
+TM_INLINE void tile_product_q45_k(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
+  constexpr int64_t block = kTileRows * (FIVE ? 176 : 144);
   const __m512i m4 = _mm512_set1_epi8(0xF);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -378,7 +404,7 @@ TM_INLINE void tile_product_q4_k(const uint8_t* tile, int64_t nb, const QRow* x,
     const uint8_t* blk = tile + b * block;
     __m512i sc[2], mn[2];
     q4_k_scales(blk, sc, mn);
-    const uint8_t* codes = blk + kQ4KCodes;
+    const uint8_t* codes = blk + (FIVE ? kQ5KCodes : kQ4KCodes);
     const int32_t* xw[R];
     __m512i isum[R], imin[R];
     for (int r = 0; r < R; ++r) {
@@ -401,7 +427,11 @@ TM_INLINE void tile_product_q4_k(const uint8_t* tile, int64_t nb, const QRow* x,
       for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
       for (int u = 0; u < 8; ++u) {
         const __m512i v = _mm512_loadu_si512(codes + 64 * (8 * c + u));
-        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if constexpr (FIVE) {  // qh word u: elements 4u.. of every chunk
+          const __m512i qh = _mm512_loadu_si512(blk + kQ5KHigh + 64 * u);
+          lo = _mm512_or_si512(lo, fifth_bit(qh, 2 * c)), hi = _mm512_or_si512(hi, fifth_bit(qh, 2 * c + 1));
+        }
         for (int r = 0; r < R; ++r) {
           s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(xw[r][16 * c + u]));
           s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(xw[r][16 * c + 8 + u]));
@@ -512,7 +542,7 @@ inline void tile_product_portable(int base, const uint8_t* tile, int64_t nb, con
 }
 
 // The portable reference of the K formats' tile products: each row's GGUF block rebuilt, then the same
-// integer sums and float steps as tile_product_q4_k / _q6_k (so the same bits).
+// integer sums and float steps as tile_product_q45_k / _q6_k (so the same bits).
 inline void tile_product_k_portable(int base, const uint8_t* tile, int64_t nb, const QRow* x, int g, float* out) {
   const int64_t block = tile_block_bytes(base);
   uint8_t row[kMaxKBlockBytes];
@@ -526,11 +556,16 @@ inline void tile_product_k_portable(int base, const uint8_t* tile, int64_t nb, c
         const float dx = x[r].per256->d[b * (QKK / QK)];
         int32_t isum = 0, imin = 0;
         uint16_t h;
-        if (base == Q4_K) {
+        if (base != Q6_K) {
+          const bool five = base == Q5_K;
+          const uint8_t* qs = row + (five ? 48 : 16);
           for (int sb = 0; sb < 8; ++sb) {  // sub-block sb: chunk sb / 2's low (even) or high (odd) nibbles
             int sc, m, dot = 0;
             scale_min_k4(sb, row + 4, sc, m);
-            for (int l = 0; l < 32; ++l) dot += ((row[16 + 32 * (sb / 2) + l] >> (4 * (sb % 2))) & 0xF) * xq[32 * sb + l];
+            for (int l = 0; l < 32; ++l) {
+              const int c = ((qs[32 * (sb / 2) + l] >> (4 * (sb % 2))) & 0xF) | (five ? ((row[16 + l] >> sb) & 1) << 4 : 0);
+              dot += c * xq[32 * sb + l];
+            }
             isum += sc * dot;
             imin += m * (s16[2 * sb] + s16[2 * sb + 1]);
           }
@@ -565,7 +600,8 @@ inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, 
   auto run = [&](auto r) {
     constexpr int R = decltype(r)::value;
     switch (base) {
-      case Q4_K: return tile_product_q4_k<R>(tile, nb, x, out, ahead);
+      case Q4_K: return tile_product_q45_k<R, false>(tile, nb, x, out, ahead);
+      case Q5_K: return tile_product_q45_k<R, true>(tile, nb, x, out, ahead);
       case Q6_K: return tile_product_q6_k<R>(tile, nb, x, out, ahead);
       case Q8_0: return tile_product<R, Q8_0>(tile, nb, x, out, ahead);
       case Q4_0: return tile_product<R, Q4_0>(tile, nb, x, out, ahead);
