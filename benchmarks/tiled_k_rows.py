@@ -1,8 +1,9 @@
-"""Q4_K and Q6_K matrices in the two layouts of the engine (kernels/quant.h's rows, kernels/quant_tiles.h's
+"""Q4_K, Q5_K and Q6_K matrices in the two layouts of the engine (kernels/quant.h's rows, kernels/quant_tiles.h's
 tiles of 16 rows), the same random blocks, in one process: the byte products of 1-16 input rows (a decode,
 verify or batched step) and a prompt chunk's product through dequantized weights (bfloat16 inputs), each
-pair timed alternately, medians of the per-round ratios. Shapes: a 1B Llama's (hidden 2048, MLP 8192) and
-Gemma 3 270M's K-format matrices (Q4_K attn_output 640 x 1024, Q6_K ffn_down 640 x 2048).
+pair timed alternately, medians of the per-round ratios. Shapes: a 1B Llama's (hidden 2048, MLP 8192; its
+ffn_gate also as Q5_K, as a Q5_K_M file holds it) and Gemma 3 270M's K-format matrices (Q4_K attn_output
+640 x 1024, Q6_K ffn_down 640 x 2048).
 
     python benchmarks/tiled_k_rows.py [--inputs 1 2 4 8 16] [--threads 1 2] [--seconds 3]
 """
@@ -18,9 +19,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SHAPES = [("1B ffn_gate", "Q4_K", 8192, 2048), ("1B ffn_down", "Q6_K", 2048, 8192), ("1B attn_q", "Q4_K", 2048, 2048),
+SHAPES = [("1B ffn_gate", "Q4_K", 8192, 2048), ("1B ffn_gate", "Q5_K", 8192, 2048), ("1B ffn_down", "Q6_K", 2048, 8192),
+          ("1B attn_q", "Q4_K", 2048, 2048),
           ("Gemma attn_output", "Q4_K", 640, 1024), ("Gemma ffn_down", "Q6_K", 640, 2048)]
-TYPES = {"Q4_K": (12, 144), "Q6_K": (14, 210)}
+TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 
 
 def random_blocks(qtype: str, n: int, k: int, rng):
@@ -53,7 +55,7 @@ def main() -> None:
     if m is None or not m.vnni:
         sys.exit("needs the kernels built with AVX-512 VNNI (the tiles' CPUs)")
     rng = np.random.default_rng(0)
-    print(f"{'matrix':18s} {'rows':>5s} {'threads':>7s}   row layout -> tiles (median ratio)")
+    print(f"{'matrix':18s} {'type':5s} {'rows':>5s} {'threads':>7s}   row layout -> tiles (median ratio)")
     for name, qtype, n, k in SHAPES:
         code, _ = TYPES[qtype]
         blocks = torch.from_numpy(random_blocks(qtype, n, k, rng))
@@ -81,7 +83,7 @@ def main() -> None:
                         times[layout].append(run(layout))
                 ratio = statistics.median(a / b for a, b in zip(times["rows"], times["tiles"]))
                 label = f"{rows} (prompt)" if prompt else str(rows)
-                print(f"{name:18s} {label:>5s} {threads:>7d}   {statistics.median(times['rows']) * 1e6:9.1f} -> "
+                print(f"{name:18s} {qtype:5s} {label:>5s} {threads:>7d}   {statistics.median(times['rows']) * 1e6:9.1f} -> "
                       f"{statistics.median(times['tiles']) * 1e6:9.1f} us ({ratio:.2f}x)", flush=True)
 
 
