@@ -46,9 +46,10 @@ TM_INLINE void store_pairs(const __m512 f[4], uint32_t* out) {
 
 // Four codes of each row (q[i], int32 lanes) as values scale q + offset: one fused multiply-add, whose exact
 // result is the row layout's value (quant.h's dequantize_bf16_*) before its one rounding. Q8_0's d q, Q4_0's
-// d q - 8 d, Q4_1's d q + m, Q4_K's (d sc) q - dmin m: the product is exact in float32 (an 11-bit scale, or
-// the 17-bit d sc, times a code of at most 8 bits), so rounding the sum once is what the row layout's
-// product-then-sum does. Q6_K's (d sc)(q - 32), rounded once there, is (d sc) q - 32 (d sc) exactly.
+// d q - 8 d, Q4_1's d q + m, Q4_K's and Q5_K's (d sc) q - dmin m: the product is exact in float32 (an 11-bit
+// scale times a code of at most 8 bits, or the 17-bit d sc times one of 4 or 5), so rounding the sum once is
+// what the row layout's product-then-sum does. Q6_K's (d sc)(q - 32), rounded once there, is exactly
+// (d sc) q - 32 (d sc), which the fused multiply-add rounds once too.
 // (Q8_0, without an offset: d q alone, as the row layout has it, down to the sign of a zero.)
 template <bool OFFSET = true>
 TM_INLINE void pair_values(const __m512i q[4], __m512 scale, __m512 offset, uint32_t* out) {

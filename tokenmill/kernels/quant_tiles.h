@@ -220,9 +220,8 @@ TM_INLINE __m512i q6_k_codes(const uint8_t* blk, int h, int k, int u) {
 
 // A K-format tile's 16 rows of nb super-blocks dequantized (dequantize_tile's, below): each super-block's 16
 // GGUF blocks rebuilt (word fields transposed in registers), then dequantize_row(_bf16) on each, so the same
-// bits as out of the row layout. The rebuild is what these tiles cost prompts: a short prompt's first token
-// ~20% later on a 1B Q4_K_M file (docs/benchmarks.md, "Q4_K and Q6_K in tiles"); dequantizing a row's values
-// straight from its transposed code words (as the 32-element formats do) measured slower still for Q4_K.
+// bits as out of the row layout. (A bfloat16 prompt on a CPU with AVX-512 BF16 takes quant_pairs.h instead;
+// this serves float32 prompts, CPUs without it, and the reference dequantization.)
 template <typename T>
 inline void dequantize_k_tile(int base, const uint8_t* tile, int64_t nb, T* y, int64_t ldy) {
   const int64_t block = tile_block_bytes(base);
