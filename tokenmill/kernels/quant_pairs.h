@@ -8,8 +8,8 @@
 // in the tile itself (a code word of 16 rows becomes two vectors of (element k, element k + 1) pairs: four
 // conversions, two permutes for 64 values), into a buffer that stays in the core's L2, and every input row
 // meets it there: vdpbf16ps multiplies an input row's pair, broadcast, by the 16 rows' pairs, with 12 input
-// rows x 2 tiles of float32 sums in registers over the whole row. Measured the same way: 0.82-0.96x the
-// bfloat16 GEMM's time at 256-512 rows, 0.54-0.83x at 16-64 (where it reads 4-8-bit weights, not 16).
+// rows x 2 tiles of float32 sums in registers over the whole row. Measured the same way: 0.82-0.99x the
+// bfloat16 GEMM's time at 256-512 rows, 0.54-0.94x at 16-64 (where it reads 4-8-bit weights, not 16).
 //
 // The weights are the dequantized model's bfloat16 values bit for bit (each value one fused multiply-add
 // whose exact result is the row layout's, rounded once: see pair_values), and each output is one float32
@@ -30,7 +30,7 @@ namespace tmq {
 #if defined(TM_QUANT_AVX512) && defined(__AVX512BF16__) && !defined(TOKENMILL_SIMDE)
 #define TM_QUANT_PAIRS 1
 
-constexpr int kPairRows = 12;  // input rows a pass: 12 x 2 tiles of sums, 2 weight vectors, one broadcast
+constexpr int kPairRows = 12;  // input rows a pass: 12 x 2 tiles of sums, 2 weight vectors, one broadcast (27 of 32 registers)
 
 // f[i] (i < 4): element k0 + i of the 16 rows, a lane per row -> the pairs (k0, k0 + 1) at out, (k0 + 2,
 // k0 + 3) at out + 16, each lane a row's two bfloat16 values (rounded to nearest even, as bf16x16 does).
