@@ -140,15 +140,16 @@ def test_governor_holds_one_thread_while_a_core_is_taken():
     """The step governor's rule, on made-up clocks: two steps in which the threads waited long for a CPU
     start a hold on one thread; once the hold ends the team is tried again, and a slow try holds twice
     as long at once; a step that ran freely ends it all."""
-    now, waited = [0.0], [0.0]
+    now, ran, waited = [0.0], [0.0], [0.0]
     gov = cpu_kernels.ThreadGovernor(2, hold_s=1.0, max_hold_s=4.0, clock=lambda: now[0],
-                                     run_delay=lambda: {"1": waited[0]})
+                                     run_delay=lambda: {"1": (ran[0], waited[0])})
     before = torch.get_num_threads()
 
     def step(wall: float, used: float) -> int:  # used: CPU seconds the step got (two threads: 2 x wall if free)
         with gov:
             threads = torch.get_num_threads()
             now[0] += wall
+            ran[0] += used
             waited[0] += threads * wall - used
         return threads
 
@@ -162,6 +163,34 @@ def test_governor_holds_one_thread_while_a_core_is_taken():
         assert step(0.1, 0.2) == 2 and step(0.1, 0.1) == 2 and gov.switches == 2  # free again: back to two in a row
         assert step(0.001, 0.0) == 2 and gov.switches == 2  # too short to judge
         assert gov.stats() == {"steps": 16, "solo_steps": 7, "switches": 2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_governor_ignores_threads_that_wait_without_working():
+    """Threads that wait for a CPU through a step but hardly run in it (a library's pool threads, woken and
+    asleep again: two appear at the first steps after a load) are not contention: the team stays. The
+    same waits by threads that do run are."""
+    now, times = [0.0], {"main": (0.0, 0.0), "pool1": (0.0, 0.0), "pool2": (0.0, 0.0)}
+    gov = cpu_kernels.ThreadGovernor(2, clock=lambda: now[0], run_delay=lambda: dict(times))
+    before = torch.get_num_threads()
+
+    def step(wall: float, pool_ran: float) -> int:
+        with gov:
+            threads = torch.get_num_threads()
+            now[0] += wall
+            main = times["main"]
+            times["main"] = (main[0] + wall, main[1])
+            for name in ("pool1", "pool2"):  # waited the whole step
+                ran, waited = times[name]
+                times[name] = (ran + pool_ran, waited + wall)
+        return threads
+
+    try:
+        assert [step(0.04, 1e-5), step(0.016, 1e-5), step(0.02, 0.0)] == [2, 2, 2]
+        assert gov.switches == 0
+        assert [step(0.04, 0.01), step(0.04, 0.01), step(0.04, 0.01)] == [2, 2, 1]  # they ran: contention
+        assert gov.switches == 1
     finally:
         torch.set_num_threads(before)
 

@@ -107,10 +107,11 @@ def fit_threads() -> int:
 
 
 class RunDelay:
-    """How long each of this process's threads has spent ready to run but waiting for a CPU, in seconds
-    (the second field of /proc/self/task/TID/schedstat), by thread id. The files stay open and are read
-    again at offset 0, a few microseconds each; the list of threads is renewed every `renew` readings
-    (a thread met for the first time counts from then on: compare readings over the threads in both)."""
+    """How long each of this process's threads has spent on a CPU and ready to run but waiting for one, in
+    seconds (the first two fields of /proc/self/task/TID/schedstat), by thread id: (ran, waited). The files
+    stay open and are read again at offset 0, a few microseconds each; the list of threads is renewed every
+    `renew` readings (a thread met for the first time counts from then on: compare readings over the
+    threads in both)."""
 
     def __init__(self, renew: int = 64) -> None:
         import weakref
@@ -139,22 +140,26 @@ class RunDelay:
             except OSError:
                 pass
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self) -> dict[str, tuple[float, float]]:
         if self.readings % self.renew == 0:
             self._renew()
         self.readings += 1
-        waited = {}
+        times = {}
         for tid, fd in self.files.items():
             try:
-                waited[tid] = int(os.pread(fd, 96, 0).split()[1]) * 1e-9
-            except (OSError, IndexError, ValueError):  # the thread has ended
+                ran, waited = os.pread(fd, 96, 0).split()[:2]
+                times[tid] = (int(ran) * 1e-9, int(waited) * 1e-9)
+            except (OSError, ValueError):  # the thread has ended
                 pass
-        return waited
+        return times
 
     @staticmethod
-    def between(before: dict[str, float], after: dict[str, float]) -> float:
-        """Seconds waited from one reading to a later one, over the threads present in both."""
-        return sum(w - before[tid] for tid, w in after.items() if tid in before)
+    def between(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                min_ran: float = 0.0) -> float:
+        """Seconds waited from one reading to a later one, over the threads present in both that ran for
+        at least min_ran seconds in between."""
+        return sum(w - before[tid][1] for tid, (r, w) in after.items()
+                   if tid in before and r - before[tid][0] >= min_ran)
 
 
 class ThreadGovernor:
@@ -168,7 +173,11 @@ class ThreadGovernor:
     it. The sign is the time the process's threads spent ready to run but waiting for a CPU (RunDelay),
     against the step's wall time: a small share while the CPUs are shared with light work, most of the
     step when a thread keeps losing its core. (CPU time over wall time would not do: a step that is
-    mostly serial Python looks the same.)
+    mostly serial Python looks the same.) Only threads that ran for a part of the step count
+    (MIN_RAN_SHARE): a library's pool thread that is woken and goes back to sleep without work (two such
+    threads appear at the first steps after a load, waiting 8-40 ms each to be scheduled beside the
+    team's threads) would otherwise read as contention, and held one process in two on one thread from
+    its first steps on (`benchmarks/governor_start.py`).
     After two such steps in a row the steps run on one thread for hold_s, then the team is tried again.
     The hold doubles, up to max_hold_s, for as long as the contention lasts (one slow step then
     suffices), and returns to hold_s after a step that ran freely.
@@ -182,6 +191,7 @@ class ThreadGovernor:
     # its load generator on the same 2 CPUs, steps measured 0.1 (median) and 0.25 (90th percentile); beside
     # a process spinning on one CPU, 0.85 (median) and 0.71 (10th percentile).
     WAITED = 0.5
+    MIN_RAN_SHARE = 0.02  # of the step's wall time: a thread that ran less did none of the step's work
 
     def __init__(self, team: int, hold_s: float = 1.0, max_hold_s: float = 16.0, clock=None,
                  run_delay=None) -> None:
@@ -216,7 +226,7 @@ class ThreadGovernor:
         wall = now - self._start
         if wall < self.MIN_STEP_S:
             return
-        if RunDelay.between(self._delay, self.run_delay()) / wall <= self.WAITED:
+        if RunDelay.between(self._delay, self.run_delay(), self.MIN_RAN_SHARE * wall) / wall <= self.WAITED:
             self.slow_in_a_row, self.hold = 0, self.hold_s
             return
         self.slow_in_a_row += 1
