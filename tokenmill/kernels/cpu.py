@@ -176,8 +176,9 @@ class ThreadGovernor:
     mostly serial Python looks the same.) Only threads that ran for a part of the step count
     (MIN_RAN_SHARE): a library's pool thread that is woken and goes back to sleep without work (two such
     threads appear at the first steps after a load, waiting 8-40 ms each to be scheduled beside the
-    team's threads) would otherwise read as contention, and held one process in two on one thread from
-    its first steps on (`benchmarks/governor_start.py`).
+    team's threads) would otherwise read as contention, and held fresh processes on a quiet machine on one
+    thread from their first steps on (10 of 10 in one run of `benchmarks/governor_start.py`). A thread
+    that shares its core with another process still runs for a fair part of each step, so it counts.
     After two such steps in a row the steps run on one thread for hold_s, then the team is tried again.
     The hold doubles, up to max_hold_s, for as long as the contention lasts (one slow step then
     suffices), and returns to hold_s after a step that ran freely.
