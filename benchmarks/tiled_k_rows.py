@@ -22,26 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 SHAPES = [("1B ffn_gate", "Q4_K", 8192, 2048), ("1B ffn_gate", "Q5_K", 8192, 2048), ("1B ffn_down", "Q6_K", 2048, 8192),
           ("1B attn_q", "Q4_K", 2048, 2048),
           ("Gemma attn_output", "Q4_K", 640, 1024), ("Gemma ffn_down", "Q6_K", 640, 2048)]
-TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
-
-
-def random_blocks(qtype: str, n: int, k: int, rng):
-    """Valid blocks: random bytes, the float16 scales set to moderate values."""
-    import numpy as np
-
-    _, nbytes = TYPES[qtype]
-    data = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
-    halves = rng.uniform(1e-4, 2e-3, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
-    if qtype == "Q6_K":
-        data[..., -2:] = halves[..., 0:2]
-    else:
-        data[..., 0:4] = halves.reshape(n, k // 256, 4)
-    return data.reshape(n, -1)
-
-
 def main() -> None:
     import numpy as np
     import torch
+
+    from pair_products import random_blocks  # (this folder's: valid blocks of any format)
 
     from tokenmill.kernels import quant
 
@@ -57,8 +42,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{'matrix':18s} {'type':5s} {'rows':>5s} {'threads':>7s}   row layout -> tiles (median ratio)")
     for name, qtype, n, k in SHAPES:
-        code, _ = TYPES[qtype]
-        blocks = torch.from_numpy(random_blocks(qtype, n, k, rng))
+        code, data = random_blocks(qtype, n, k, rng)
+        blocks = torch.from_numpy(data)
         layouts = {"rows": (m.repack(blocks, code, k), code), "tiles": (m.repack(blocks, code | quant.TILED, k), code | quant.TILED)}
         for threads in args.threads:
             torch.set_num_threads(threads)

@@ -59,14 +59,10 @@ TM_INLINE void pair_values(const __m512i q[4], __m512 scale, __m512 offset, uint
   store_pairs(f, out);
 }
 
-// Byte k (0-3) of each lane, zero-extended; and bits 4s .. 4s + 3 of each lane (a nibble).
-TM_INLINE __m512i lane_byte_at(__m512i v, int k) {
-  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xFF));
-}
+// Bits 4s .. 4s + 3 of each lane (a nibble); quant_tiles.h has the bytes (lane_byte, lane_sbyte).
 TM_INLINE __m512i lane_nibble(__m512i v, int s) {
   return _mm512_and_si512(_mm512_srli_epi32(v, 4 * s), _mm512_set1_epi32(0xF));
 }
-TM_INLINE __m512 half_lanes(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
 // The 32-element formats: a block's 16 rows of 32 values -> 16 pair vectors at out (pair p at out + 16 p).
 template <int BASE>
@@ -77,8 +73,8 @@ TM_INLINE void block_pairs(const uint8_t* blk, uint32_t* out) {
     const __m512i c128 = _mm512_set1_epi32(128);
     for (int t = 0; t < 8; ++t) {  // word t: elements 4t .. 4t + 3, as q + 128
       const __m512i v = _mm512_loadu_si512(blk + f.codes + 64 * t);
-      const __m512i q[4] = {_mm512_sub_epi32(lane_byte_at(v, 0), c128), _mm512_sub_epi32(lane_byte_at(v, 1), c128),
-                            _mm512_sub_epi32(lane_byte_at(v, 2), c128), _mm512_sub_epi32(lane_byte_at(v, 3), c128)};
+      const __m512i q[4] = {_mm512_sub_epi32(lane_byte(v, 0), c128), _mm512_sub_epi32(lane_byte(v, 1), c128),
+                            _mm512_sub_epi32(lane_byte(v, 2), c128), _mm512_sub_epi32(lane_byte(v, 3), c128)};
       pair_values<false>(q, d, d, out + 32 * t);
     }
     return;
@@ -108,8 +104,8 @@ TM_INLINE void q45_k_pairs(const uint8_t* blk, uint32_t* out) {
   q4_k_scales(blk, sc, mn);
   __m512 scale[8], offset[8];
   for (int s = 0; s < 8; ++s) {
-    scale[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lane_byte_at(sc[s / 4], s % 4)));
-    offset[s] = _mm512_mul_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(lane_byte_at(mn[s / 4], s % 4))), _mm512_set1_ps(-1.f));
+    scale[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lane_byte(sc[s / 4], s % 4)));
+    offset[s] = _mm512_mul_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(lane_byte(mn[s / 4], s % 4))), _mm512_set1_ps(-1.f));
   }
   for (int t = 0; t < 32; ++t) {  // qs word t: bytes 4t .. 4t + 3 of the 128; chunk j = t / 8 of 32 bytes
     const __m512i v = _mm512_loadu_si512(blk + (FIVE ? kQ5KCodes : kQ4KCodes) + 64 * t);
@@ -132,8 +128,7 @@ TM_INLINE void q6_k_pairs(const uint8_t* blk, uint32_t* out) {
   __m512 scale[16], offset[16];
   for (int s = 0; s < 16; ++s) {  // scales word s / 4, byte s % 4 (int8)
     const __m512i w = _mm512_loadu_si512(blk + kQ6KScales + 64 * (s / 4));
-    const __m512i b = _mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * (s % 4)), 24);
-    scale[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(b));
+    scale[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lane_sbyte(w, s % 4)));
     offset[s] = _mm512_mul_ps(scale[s], _mm512_set1_ps(-32.f));
   }
   for (int h = 0; h < 2; ++h)
@@ -141,7 +136,7 @@ TM_INLINE void q6_k_pairs(const uint8_t* blk, uint32_t* out) {
       for (int u = 0; u < 8; ++u) {  // elements e .. e + 3, of sub-block e / 16
         const int e = 128 * h + 32 * k + 4 * u, s = e / 16;
         const __m512i v = q6_k_codes(blk, h, k, u);
-        const __m512i q[4] = {lane_byte_at(v, 0), lane_byte_at(v, 1), lane_byte_at(v, 2), lane_byte_at(v, 3)};
+        const __m512i q[4] = {lane_byte(v, 0), lane_byte(v, 1), lane_byte(v, 2), lane_byte(v, 3)};
         pair_values(q, scale[s], offset[s], out + 8 * e);
       }
 }
