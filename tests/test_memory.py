@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import subprocess
 import sys
 
@@ -90,6 +91,19 @@ together.wait()
 for t in threads:
     t.join()
 libc.malloc_stats()  # to stderr: "Arena 0:", "Arena 1:", ...
+if len(sys.argv) > 3:  # stay alive for the parent to look at the heaps, beside 64 MiB of data on a 64 MiB boundary
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = 64 << 20
+    room = libc.mmap(None, 2 * size, 0, 0x22, -1, 0)  # PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS
+    at = -(-room // size) * size
+    libc.munmap(room, 2 * size)
+    data = libc.mmap(at, size, 3, 0x22 | 0x100000, -1, 0)  # read-write, MAP_FIXED_NOREPLACE
+    assert data == at
+    ctypes.memset(data, 7, size)
+    print("ready", flush=True)
+    sys.stdin.readline()
 """
 
 
@@ -106,8 +120,10 @@ def test_one_malloc_arena_keeps_new_threads_on_the_main_arena():
 
 
 def _glibc_heaps(pid: int) -> int:
-    """The heaps of a process's other malloc arenas: anonymous read-write mappings that start on a 64 MiB
-    boundary and, with the inaccessible reserve after them, span 64 MiB."""
+    """The heaps of a process's other malloc arenas. glibc maps each such heap as 64 MiB on a 64 MiB boundary,
+    read-write up to the heap's current size and inaccessible after it, and starts it with a header whose third
+    word is that size. Anonymous mappings of 64 MiB land on 64 MiB boundaries too now and then (the kernel aligns
+    large ones to 2 MiB), so the header is read to tell a heap from a tensor."""
     maps = []
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
@@ -115,13 +131,34 @@ def _glibc_heaps(pid: int) -> int:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             maps.append((start, end, fields[1], fields[4] == "0" and len(fields) == 5))
     heaps = 0
-    for (start, end, perm, anon), following in zip(maps, maps[1:] + [None]):
-        if anon and perm.startswith("rw") and start % (64 << 20) == 0:
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        for (start, end, perm, anon), following in zip(maps, maps[1:] + [None]):
+            if not (anon and perm.startswith("rw") and start % (64 << 20) == 0):
+                continue
             span = end - start
             if following is not None and following[0] == end and following[2].startswith("---") and following[3]:
                 span = following[1] - start
-            heaps += span == 64 << 20
+            if span != 64 << 20:
+                continue
+            mem.seek(start)
+            _arena, _prev, size, protected = struct.unpack("<4Q", mem.read(32))
+            heaps += protected == end - start and 0 < size <= protected  # the part made read-write so far
     return heaps
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or memory._malloc_trim() is None, reason="glibc's malloc")
+def test_the_heap_count_finds_the_arenas_of_threads():
+    """_glibc_heaps, which the server test below relies on, against glibc's own count of arenas."""
+    for mode in ("default", "one"):
+        proc = subprocess.Popen([sys.executable, "-c", _THREADS_THAT_ALLOCATE, memory.__file__, mode, "wait"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "ready\n"
+            heaps = _glibc_heaps(proc.pid)
+        finally:
+            _, stats = proc.communicate("\n", timeout=30)
+        arenas = sum(line.startswith("Arena ") for line in stats.splitlines())
+        assert heaps == arenas - 1 and arenas >= (3 if mode == "default" else 1)  # each arena but the main has a heap
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or memory._malloc_trim() is None, reason="glibc's malloc")
