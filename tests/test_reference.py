@@ -157,7 +157,9 @@ def test_bfloat16_decode_tracks_transformers(tiny_models, arch, fused, num_reque
 def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_requests):
     """Decode steps that sample take their logits from the fused decoder's one call (the layers and the
     output layer together): the same tokens and logprobs, seeded, as the hidden states through the
-    model's own output layer."""
+    model's own output layer. Up to 8 rows both are the same GEMV, bit for bit; past 8 the layer is torch's
+    GEMM, whose float32 sums run in another order, so now and then a logit rounds to the neighbouring
+    bfloat16 value (1 of 52,800 here, moving the logprobs ~2e-7): there the logprobs agree within 1e-3."""
     if cpu_kernels.load() is None:
         pytest.skip("the CPU decode kernels do not run here")
     folder = tiny_models["llama"]
@@ -174,7 +176,12 @@ def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_reque
         assert len(calls) >= 11 and all((c is not None) == one_call for c in calls)
         results.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
                         for o in outs])
-    assert results[0] == results[1]
+    if num_requests <= cpu_kernels.load().max_gemv_rows:
+        assert results[0] == results[1]
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*results):
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs):
+            assert got.keys() == want.keys() and got == pytest.approx(want, abs=1e-3)
 
 
 @pytest.mark.parametrize("arch,rows", [("llama", 32), ("mixtral", 8)])

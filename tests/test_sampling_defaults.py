@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from tests.gguf_models import write_llama_gguf
-from tests.conftest import has_amx
 from tests.server_utils import ServerProcess
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.hub import NAMED_MODELS
@@ -122,9 +121,11 @@ def _right(texts: list[str]) -> int:
 def test_default_model_answers_better_with_its_defaults(default_gguf):
     """Ten factual questions, three seeds each, with no sampling settings given: the defaults (the model's
     recommended settings) against neutral sampling (temperature 1, no truncation: what requests got before),
-    offline and through the server. And France alone, 20 seeds asked one at a time (the prefix cache then
-    holds most of each prompt): Paris in at least 15, offline and through the server (6 with neutral
-    sampling; 13 while a prompt's last few rows, the part the cache did not hold, took int8 inputs)."""
+    offline and through the server. France alone is no test of the defaults: its first token is a near tie
+    ("The", whose answers name Paris, against "L", whose answers mostly do not) that the float32 path, the
+    dequantized file's exact numbers, puts the other way round from the bfloat16 path ("L" -1.88 against "The"
+    -1.94), so how many of 20 seeds name Paris follows the last bits of a bfloat16 kernel (7 to 16 seen); the
+    bfloat16 path's accuracy against float32 is checked in test_default_model."""
     llm = LLM(default_gguf)
     chats = [[{"role": "user", "content": q}] for q, _ in QUESTIONS for _ in SEEDS]
     seeds = [s for _ in QUESTIONS for s in SEEDS]
@@ -133,15 +134,6 @@ def test_default_model_answers_better_with_its_defaults(default_gguf):
     neutral = _right([o.outputs[0].text for o in llm.chat(chats, [SamplingParams(seed=s, max_tokens=24)
                                                                    for s in seeds])])
     assert ours >= 16 and ours - neutral >= 5, (ours, neutral)
-    france = [{"role": "user", "content": QUESTIONS[0][0]}]
-    paris = sum("Paris" in llm.chat([france], base.clone(seed=s, max_tokens=24), use_tqdm=False)[0].outputs[0].text
-                for s in range(20))
-    # On AMX CPUs the prefix-cached prompts answer differently (test_default_model's first-token test, marked
-    # there: torch's bfloat16 GEMM rounds by row count), and this prompt's first token is a near tie ("The"
-    # against "L"): 12 of 20 seen on a 2-core Xeon. An expected failure there, at the end, once the rest has
-    # been checked.
-    amx_shortfall = paris < 15 and has_amx()
-    assert paris >= 15 or amx_shortfall, paris
     del llm
     server = ServerProcess(default_gguf)
     try:
@@ -150,12 +142,6 @@ def test_default_model_answers_better_with_its_defaults(default_gguf):
                            json={"messages": chat, "seed": seed, "max_tokens": 24})
             return r.json()["choices"][0]["message"]["content"]
         served = _right([ask(c, s) for c, s in zip(chats, seeds)])
-        served_paris = sum("Paris" in ask(france, s) for s in range(20))
     finally:
         server.stop()
     assert served >= 16 and served - neutral >= 5, (served, neutral)
-    amx_shortfall |= served_paris < 15 and has_amx()
-    assert served_paris >= 15 or amx_shortfall, served_paris
-    if amx_shortfall:
-        pytest.xfail(f"Paris in {paris} (offline) and {served_paris} (server) of 20 on an AMX CPU, under 15 "
-                     "(torch's bfloat16 GEMM rounds by row count there)")
