@@ -6,8 +6,8 @@ prompt, whether the two answers are the same tokens or from which position they 
 chunks a prompt gets depend on what else is running, so where they differ the same request can answer
 differently from one run to the next.
 
-    python benchmarks/chunk_invariance.py [MODEL]
-    TOKENMILL_PROMPT_ATTENTION=kernel python benchmarks/chunk_invariance.py [MODEL]
+    python benchmarks/chunk_invariance.py [MODEL]                                   # the kernels' attention
+    TOKENMILL_PROMPT_ATTENTION=torch python benchmarks/chunk_invariance.py [MODEL]  # torch's
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
         llm = LLM(model, enable_prefix_caching=False, kv_cache_memory="256MiB", **options)
         answers[name] = [llm.chat([chat], params, use_tqdm=False)[0] for chat in chats]
         del llm
-    print(f"prompt attention: {os.environ.get('TOKENMILL_PROMPT_ATTENTION', 'torch (default)')}")
+    print(f"prompt attention: {os.environ.get('TOKENMILL_PROMPT_ATTENTION', 'kernel (default)')}")
     for whole, chunked in zip(answers["whole"], answers["chunked"]):
         a, b = whole.outputs[0].token_ids, chunked.outputs[0].token_ids
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -403,14 +403,15 @@ def test_prefill_attention_rows_are_the_same_in_any_chunk(window):
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
 def test_bfloat16_prompts_through_the_prompt_kernel_track_transformers(tiny_models, monkeypatch):
-    """With TOKENMILL_PROMPT_ATTENTION=kernel, bfloat16 prompt rows (whole prompts and chunks after a cached
-    prefix) take the kernel, and greedy tokens track transformers' float32 choices teacher-forced as
-    test_reference's dense models do (bf16 rounding ~0.01 nats a token; a wrong attention, ~1)."""
+    """bfloat16 prompt rows (whole prompts and chunks after a cached prefix) take the kernel by default, and
+    greedy tokens track transformers' float32 choices teacher-forced as test_reference's dense models do
+    (bf16 rounding ~0.01 nats a token; a wrong attention, ~1)."""
     from conftest import PROMPTS, teacher_forced_gaps
     from tokenmill import LLM, SamplingParams
     from tokenmill.attention import cpu as cpu_attention
 
-    monkeypatch.setattr(cpu_attention, "PROMPT_KERNEL", True)
+    if not cpu_attention.PROMPT_KERNEL:
+        pytest.skip("TOKENMILL_PROMPT_ATTENTION=torch")
     module, calls = cpu_kernels.load(), []
     attend = module.prefill_attention
     monkeypatch.setattr(module, "prefill_attention", lambda q, k, v, *a: calls.append(k.shape[0] - q.shape[0])

@@ -120,11 +120,12 @@ def _read_context(k_cache, v_cache, block_table, pos, bs: int, dtype: torch.dtyp
     return kv_format.read(k_cache, slots, dtype), kv_format.read(v_cache, slots, dtype)
 
 
-# bfloat16 prompt attention through the kernels' prefill_attention (TOKENMILL_PROMPT_ATTENTION=kernel)
-# rather than torch's: 1.4x sooner first tokens on 736-2000-token prompts (docs/benchmarks.md, "Prompt
-# attention in bf16 pair products"), as accurate against float64; not the default yet, because rounding
-# otherwise moves near-tied tokens of the tiny test models and of the default model's answers.
-PROMPT_KERNEL = os.environ.get("TOKENMILL_PROMPT_ATTENTION", "torch") == "kernel"
+# bfloat16 prompt rows attend through the kernels' prefill_attention where they run
+# (TOKENMILL_PROMPT_ATTENTION=torch keeps torch's scaled_dot_product_attention): first tokens 1.4x sooner on
+# prompts of 736-2000 tokens, as accurate against float64, and a row's result the same bits whatever its
+# chunk, so a prompt's greedy answer does not depend on how the scheduler split it (docs/benchmarks.md,
+# "Prompt attention in bf16 pair products").
+PROMPT_KERNEL = os.environ.get("TOKENMILL_PROMPT_ATTENTION", "kernel") != "torch"
 
 # Sequence lengths torch's bfloat16/half attention meets on the CPU: a multiple of this. Its flash attention
 # compiles (and keeps) matrix kernels for each new tail of a length, 1 MiB a length on the first 200 lengths
