@@ -2702,7 +2702,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // Keys and values are laid out once per KV head for bf16 pair products (vdpbf16ps: exact products,
 // float32 sums): keys by groups of 16, each pair of dimensions one vector of 16 keys; values by pairs of
 // keys, 16 dimensions a vector. Then for each group of 4 rows (a position's query heads, position after
-// position) the blocks of 32 keys up to its rows: scores in float32, an online softmax, the probabilities
+// position) the blocks of 64 keys up to its rows: scores in float32, an online softmax, the probabilities
 // rounded to bfloat16 (as the references round them before their product with the values) and the values
 // summed into float32 outputs, a slab of 64 dimensions at a time.
 //
@@ -2710,8 +2710,63 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // are aligned to absolute positions and taken in order from the first, and a block with none of a row's
 // keys changes nothing for it. So a row's output is the same in whichever chunk of the prompt it is
 // computed, with its prefix read from the cache or computed in the same call.
-constexpr int64_t kPromptKeys = 32;      // keys a block
+constexpr int64_t kPromptKeys = 64;      // keys a block
 constexpr int64_t kPromptPositions = 8;  // query positions a task
+
+// The scores of R query rows against a block of 16 * KB keys (kb: the block's keys in pair layout, P pairs
+// of dimensions), into s. Written with constant trip counts so that the accumulators stay in registers.
+template <int R, int KB>
+inline void prompt_scores(const uint32_t* const (&qr)[R], const uint16_t* kb, int64_t D, int64_t P, __m512 (&s)[R][KB]) {
+  __m512 acc[R][KB];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int h = 0; h < KB; ++h) acc[r][h] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < P; ++e) {
+    __m512bh kv[KB];
+#pragma GCC unroll 8
+    for (int h = 0; h < KB; ++h) kv[h] = (__m512bh)_mm512_loadu_si512(kb + 16 * h * D + e * 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qe = (__m512bh)_mm512_set1_epi32((int)qr[r][e]);
+#pragma GCC unroll 8
+      for (int h = 0; h < KB; ++h) acc[r][h] = _mm512_dpbf16_ps(acc[r][h], qe, kv[h]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int h = 0; h < KB; ++h) s[r][h] = acc[r][h];
+}
+
+// o[r][d0 .. d0 + 16 NV) := o * alpha[r] + the block's probabilities p[r] (bfloat16, by pairs of keys) times
+// its values (vb: the block's first key's values, pairs of keys by dimension, from d0), `pairs` pairs.
+template <int R, int NV>
+inline void prompt_values(float* o, int64_t D, int64_t d0, const float (&alpha)[R], const uint16_t (*p)[kPromptKeys],
+                          const uint16_t* vb, int64_t pairs) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int w = 0; w < NV; ++w)
+      acc[r][w] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * w), _mm512_set1_ps(alpha[r]));
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint16_t* vr = vb + 2 * j * D;  // keys 2j and 2j + 1 of the block
+    __m512bh pr[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) pr[r] = (__m512bh)_mm512_set1_epi32((int)reinterpret_cast<const uint32_t*>(p[r])[j]);
+#pragma GCC unroll 8
+    for (int w = 0; w < NV; ++w) {
+      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vr + 32 * w);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r][w] = _mm512_dpbf16_ps(acc[r][w], pr[r], vv);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int w = 0; w < NV; ++w) _mm512_storeu_ps(o + r * D + d0 + 16 * w, acc[r][w]);
+}
 
 void prompt_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t n, int64_t L,
                       int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
@@ -2751,85 +2806,75 @@ void prompt_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
         const int nr = (int)std::min<int64_t>(R, rows - a);
         int64_t pos[R], row[R];
         const uint32_t* qr[R];
-        float m[R], l[R];
+        float m[R];
+        __m512 l[R];
         for (int r = 0; r < R; ++r) {
           const int64_t x = a + std::min(r, nr - 1);  // a short group repeats its last row, unused
           row[r] = (r0 + x / g) * H + c * g + x % g;
           pos[r] = first + r0 + x / g;
           qr[r] = reinterpret_cast<const uint32_t*>(q + row[r] * D);
           m[r] = -std::numeric_limits<float>::infinity();
-          l[r] = 0.f;
+          l[r] = _mm512_setzero_ps();
         }
         std::fill(o.begin(), o.end(), 0.f);
         const int64_t top = pos[R - 1], bottom = pos[0];  // rows go position after position
         const int64_t from = window > 0 ? std::max<int64_t>(0, bottom - window + 1) / kPromptKeys * kPromptKeys : 0;
         for (int64_t j0 = from; j0 <= top; j0 += kPromptKeys) {
-          __m512 s[R][2];
-          for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-          const uint16_t* kb = kc + j0 * D;
-          for (int64_t e = 0; e < P; ++e) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + e * 32);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + 16 * D + e * 32);
-            for (int r = 0; r < R; ++r) {
-              const __m512bh qe = (__m512bh)_mm512_set1_epi32((int)qr[r][e]);
-              s[r][0] = _mm512_dpbf16_ps(s[r][0], qe, k0);
-              s[r][1] = _mm512_dpbf16_ps(s[r][1], qe, k1);
-            }
-          }
+          constexpr int KB = kPromptKeys / 16;  // vectors of 16 keys a block
+          __m512 s[R][KB];
+          prompt_scores<R, KB>(qr, kc + j0 * D, D, P, s);
           bool any = false;
           float alpha[R];
           for (int r = 0; r < R; ++r) {
             // Keys j0 + lane that the row reads: at or before its position, inside its window.
             const __m512i lo = _mm512_set1_epi32(window > 0 ? (int)(pos[r] - window + 1) : 0);
             const __m512i hi = _mm512_set1_epi32((int)pos[r]);
-            __mmask16 keep[2];
-            for (int h = 0; h < 2; ++h) {
+            __mmask16 keep[KB];
+            __mmask16 kept = 0;
+            for (int h = 0; h < KB; ++h) {
               const __m512i key = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(j0 + 16 * h)));
               keep[h] = _mm512_cmple_epi32_mask(key, hi) & _mm512_cmpge_epi32_mask(key, lo);
+              kept |= keep[h];
             }
-            if (!(keep[0] | keep[1])) {  // none of this row's keys: nothing changes for it
+            if (!kept) {  // none of this row's keys: nothing changes for it
               alpha[r] = 1.f;
-              _mm512_store_si512(p[r], _mm512_setzero_si512());
+              for (int h = 0; h < KB; ++h) _mm256_store_si256((__m256i*)(p[r] + 16 * h), _mm256_setzero_si256());
               continue;
             }
             any = true;
             const __m512 sc = _mm512_set1_ps(scale);
-            const __m512 x0 = _mm512_mask_blend_ps(keep[0], ninf, _mm512_mul_ps(s[r][0], sc));
-            const __m512 x1 = _mm512_mask_blend_ps(keep[1], ninf, _mm512_mul_ps(s[r][1], sc));
-            const float mn = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+            __m512 x[KB];
+            __m512 top_x = ninf;
+            for (int h = 0; h < KB; ++h) {
+              x[h] = _mm512_mask_blend_ps(keep[h], ninf, _mm512_mul_ps(s[r][h], sc));
+              top_x = _mm512_max_ps(top_x, x[h]);
+            }
+            const float mn = std::max(m[r], _mm512_reduce_max_ps(top_x));
             alpha[r] = std::exp(m[r] - mn);  // 0 at the row's first block (m = -inf)
             m[r] = mn;
             const __m512 mv = _mm512_set1_ps(mn);
-            const __m512 e0 = _mm512_maskz_mov_ps(keep[0], exp_ps(_mm512_sub_ps(x0, mv)));
-            const __m512 e1 = _mm512_maskz_mov_ps(keep[1], exp_ps(_mm512_sub_ps(x1, mv)));
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-            _mm256_store_si256((__m256i*)p[r], (__m256i)_mm512_cvtneps_pbh(e0));
-            _mm256_store_si256((__m256i*)(p[r] + 16), (__m256i)_mm512_cvtneps_pbh(e1));
+            __m512 sum = _mm512_setzero_ps();
+            for (int h = 0; h < KB; ++h) {
+              const __m512 eh = _mm512_maskz_mov_ps(keep[h], exp_ps(_mm512_sub_ps(x[h], mv)));
+              sum = _mm512_add_ps(sum, eh);
+              _mm256_store_si256((__m256i*)(p[r] + 16 * h), (__m256i)_mm512_cvtneps_pbh(eh));
+            }
+            // The denominator stays a vector of partial sums until the row's last block.
+            l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), sum);
           }
           if (!any) continue;
           const int64_t pairs = (std::min(kPromptKeys, top + 1 - j0) + 1) / 2;
           for (int64_t d0 = 0; d0 < D; d0 += 64) {  // a slab of up to 64 dimensions
-            const int nv = (int)std::min<int64_t>(4, (D - d0) / 16);
-            __m512 acc[R][4];
-            for (int r = 0; r < R; ++r)
-              for (int w = 0; w < nv; ++w)
-                acc[r][w] = _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + d0 + 16 * w), _mm512_set1_ps(alpha[r]));
-            for (int64_t j = 0; j < pairs; ++j) {
-              const uint16_t* vr = vc + (j0 + 2 * j) * D + 2 * d0;  // keys j0 + 2j and the next, from d0
-              __m512bh pr[R];
-              for (int r = 0; r < R; ++r)
-                pr[r] = (__m512bh)_mm512_set1_epi32((int)reinterpret_cast<const uint32_t*>(p[r])[j]);
-              for (int w = 0; w < nv; ++w) {
-                const __m512bh vv = (__m512bh)_mm512_loadu_si512(vr + 32 * w);
-                for (int r = 0; r < R; ++r) acc[r][w] = _mm512_dpbf16_ps(acc[r][w], pr[r], vv);
-              }
+            const uint16_t* vb = vc + j0 * D + 2 * d0;
+            switch (std::min<int64_t>(4, (D - d0) / 16)) {
+              case 1: prompt_values<R, 1>(o.data(), D, d0, alpha, p, vb, pairs); break;
+              case 2: prompt_values<R, 2>(o.data(), D, d0, alpha, p, vb, pairs); break;
+              default: prompt_values<R, 4>(o.data(), D, d0, alpha, p, vb, pairs); break;
             }
-            for (int r = 0; r < R; ++r)
-              for (int w = 0; w < nv; ++w) _mm512_storeu_ps(o.data() + r * D + d0 + 16 * w, acc[r][w]);
           }
         }
         for (int r = 0; r < nr; ++r) {
-          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+          const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
           uint16_t* y = out + row[r] * D;
           for (int64_t d = 0; d < D; d += 16) store_bf16(y + d, _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + d), inv));
         }
