@@ -121,8 +121,8 @@ def _read_context(k_cache, v_cache, block_table, pos, bs: int, dtype: torch.dtyp
 
 
 # bfloat16 prompt rows attend through the kernels' prefill_attention where they run
-# (TOKENMILL_PROMPT_ATTENTION=torch keeps torch's scaled_dot_product_attention): first tokens 1.4x sooner on
-# prompts of 736-2000 tokens, as accurate against float64, and a row's result the same bits whatever its
+# (TOKENMILL_PROMPT_ATTENTION=torch keeps torch's scaled_dot_product_attention): first tokens 1.6-1.9x sooner
+# on prompts of 736-2000 tokens, as accurate against float64, and a row's result the same bits whatever its
 # chunk, so a prompt's greedy answer does not depend on how the scheduler split it (docs/benchmarks.md,
 # "Prompt attention in bf16 pair products").
 PROMPT_KERNEL = os.environ.get("TOKENMILL_PROMPT_ATTENTION", "kernel") != "torch"
