@@ -300,7 +300,7 @@ def test_bfloat16_fused_experts_track_transformers(folders):
     """bf16 decode of a MoE model runs fused, and its tokens track transformers' float32 choices teacher-forced,
     as the dense models' do. Over all eight prompts: a bf16 rounding that moves one expert choice can carry a
     prompt's answer elsewhere (up to ~0.9 nats at a token), and over three prompts the mean depended on which
-    rounding (0.018 with torch's prompt attention, 0.039 with it computed in float32 and rounded once, 0.040
+    rounding (0.018 with torch's prompt attention, 0.039 with it computed in float32 and rounded once, 0.039-0.040
     with the kernels'); over eight, 0.018-0.027 each, while experts chosen from the bottom of the router's
     ranking give 0.48-0.84 (the three MoE fixtures)."""
     from tokenmill.kernels import cpu as cpu_kernels
