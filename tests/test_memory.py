@@ -107,10 +107,15 @@ if len(sys.argv) > 3:  # stay alive for the parent to look at the heaps, beside 
 """
 
 
+def _arenas_in(malloc_stats: str) -> int:
+    """The arenas malloc_stats() reported ("Arena 0:", "Arena 1:", ...)."""
+    return sum(line.startswith("Arena ") for line in malloc_stats.splitlines())
+
+
 def _arenas(mode: str) -> int:
     out = subprocess.run([sys.executable, "-c", _THREADS_THAT_ALLOCATE, memory.__file__, mode], capture_output=True,
                          text=True, check=True)
-    return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+    return _arenas_in(out.stderr)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or memory._malloc_trim() is None, reason="glibc's malloc")
@@ -122,8 +127,9 @@ def test_one_malloc_arena_keeps_new_threads_on_the_main_arena():
 def _glibc_heaps(pid: int) -> int:
     """The heaps of a process's other malloc arenas. glibc maps each such heap as 64 MiB on a 64 MiB boundary,
     read-write up to the heap's current size and inaccessible after it, and starts it with a header whose third
-    word is that size. Anonymous mappings of 64 MiB land on 64 MiB boundaries too now and then (the kernel aligns
-    large ones to 2 MiB), so the header is read to tell a heap from a tensor."""
+    and fourth words are that size and the part made read-write. Anonymous mappings of 64 MiB land on 64 MiB
+    boundaries too now and then (the kernel aligns large ones to 2 MiB), so the header is read to tell a heap
+    from a tensor."""
     maps = []
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
@@ -157,7 +163,7 @@ def test_the_heap_count_finds_the_arenas_of_threads():
             heaps = _glibc_heaps(proc.pid)
         finally:
             _, stats = proc.communicate("\n", timeout=30)
-        arenas = sum(line.startswith("Arena ") for line in stats.splitlines())
+        arenas = _arenas_in(stats)
         assert heaps == arenas - 1 and arenas >= (3 if mode == "default" else 1)  # each arena but the main has a heap
 
 
