@@ -195,6 +195,44 @@ def test_governor_ignores_threads_that_wait_without_working():
         torch.set_num_threads(before)
 
 
+def test_governor_ignores_the_processs_other_python_threads():
+    """A server's event loop, woken to stream each token, waits for a CPU through most of a decode step
+    while the team holds both cores: that is no sign that the team lost one, and the team stays. The same
+    waits by a thread that is not one of the process's Python threads (a pool thread of the team) are."""
+    import threading
+
+    started, stop = threading.Event(), threading.Event()
+    loop = threading.Thread(target=lambda: (started.set(), stop.wait()), name="event-loop")
+    loop.start()
+    started.wait()
+    try:
+        now = [0.0]
+        me, pool, other = str(threading.get_native_id()), "pool-thread", str(loop.native_id)
+        times = {me: (0.0, 0.0), pool: (0.0, 0.0), other: (0.0, 0.0)}
+        gov = cpu_kernels.ThreadGovernor(2, clock=lambda: now[0], run_delay=lambda: dict(times))
+        before = torch.get_num_threads()
+
+        def step(wall: float, waiter: str) -> int:  # the team runs freely; `waiter` runs 12% and waits 90%
+            with gov:
+                threads = torch.get_num_threads()
+                now[0] += wall
+                for tid in (me, pool):
+                    ran, waited = times[tid]
+                    times[tid] = (ran + 0.95 * wall, waited + 0.05 * wall)
+                ran, waited = times[waiter]
+                times[waiter] = (ran + 0.12 * wall, waited + 0.9 * wall)
+            return threads
+
+        try:
+            assert [step(0.004, other) for _ in range(6)] == [2] * 6 and gov.switches == 0
+            assert [step(0.004, pool) for _ in range(3)] == [2, 2, 1] and gov.switches == 1
+        finally:
+            torch.set_num_threads(before)
+    finally:
+        stop.set()
+        loop.join()
+
+
 @pytest.mark.skipif(cpu_kernels.usable_cpus() < 2, reason="needs two usable CPUs")
 def test_steps_on_one_thread_give_the_teams_numbers(tiny_models):
     """Prompt steps (the module path) and decode steps held on one thread by the governor compute what the
