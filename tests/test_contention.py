@@ -233,6 +233,54 @@ def test_governor_ignores_the_processs_other_python_threads():
         loop.join()
 
 
+def _stream(url: str, model: str, max_tokens: int) -> int:
+    import httpx
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        prompt = f.read()[:2400]  # some 600 tokens: each decode step reads a context of that length
+    body = {"model": model, "messages": [{"role": "user", "content": f"Repeat this text:\n\n{prompt}"}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    pieces = 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                pieces += len(json.loads(line[6:])["choices"])
+    return pieces
+
+
+@pytest.mark.skipif(cpu_kernels.usable_cpus() < 2 or cpu_kernels.load() is None,
+                    reason="needs two usable CPUs and the CPU kernels")
+def test_a_streaming_server_keeps_its_team_and_reports_a_taken_core(default_gguf):
+    """A server streaming answers one at a time on an otherwise quiet machine: its event loop, woken for
+    every token, waits for a CPU through most of each decode step while the team holds both cores. That
+    is no core taken by another process, and no step goes to one thread. Beside a process spinning on one
+    CPU they do, and /metrics counts them."""
+    from server_utils import ServerProcess
+
+    server = ServerProcess(default_gguf)
+    try:
+        import httpx
+
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        assert all(_stream(server.url, model, 200) >= 200 for _ in range(4))
+        quiet = server.metrics()
+        assert quiet["tokenmill:cpu_one_thread_holds_total"] == 0, quiet
+        assert quiet["tokenmill:cpu_steps_on_one_thread_total"] == 0, quiet
+        spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{CPUS[-1]}}})\nwhile True: pass"])
+        try:
+            assert _stream(server.url, model, 200) >= 200
+        finally:
+            spin.kill()
+            spin.wait()
+        busy = server.metrics()
+        one_thread = (busy["tokenmill:cpu_steps_on_one_thread_total"]
+                      + busy["tokenmill:cpu_decode_calls_on_one_thread_total"])
+        assert one_thread >= 64, busy
+    finally:
+        server.stop()
+
+
 @pytest.mark.skipif(cpu_kernels.usable_cpus() < 2, reason="needs two usable CPUs")
 def test_steps_on_one_thread_give_the_teams_numbers(tiny_models):
     """Prompt steps (the module path) and decode steps held on one thread by the governor compute what the

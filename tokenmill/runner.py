@@ -85,6 +85,16 @@ class ModelRunner:
         with self.governor or contextlib.nullcontext():
             return self._execute(sched)
 
+    def one_thread_stats(self) -> dict:
+        """How often a core taken by another process sent work to one thread: steps the governor held there
+        and its holds, and the fused decoder's calls that its own switch ran there. {} on one thread."""
+        if self.governor is None:
+            return {}
+        cached = getattr(self.model, "_fused", None)
+        fused = cached[1] if cached is not None else None
+        return {"cpu_steps_on_one_thread": self.governor.solo_steps, "cpu_one_thread_holds": self.governor.switches,
+                "cpu_decode_calls_on_one_thread": fused.team_stats()[1] if fused is not None else 0}
+
     @torch.inference_mode()
     def _execute_burst(self, sched: SchedulerOutput, steps: int,
                        interrupted: Callable[[], bool]) -> list[ModelOutput] | None:

@@ -357,6 +357,7 @@ class LLMEngine:
             "prefix_cache_queries": kv.num_queried_tokens,
             "prefix_cache_hits": kv.num_hit_tokens,
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
+            **self.runner.one_thread_stats(),
         }
 
     def reset_prefix_cache(self) -> None:

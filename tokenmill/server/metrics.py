@@ -53,6 +53,15 @@ class ServerMetrics:
         self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by their "
                                     "position in the proposal (0: the first).", ["position"])
         self._spec_per_pos: list[int] = []
+        # The CPU's team of threads on one thread while another process holds one of its cores.
+        self.one_thread = {
+            "cpu_steps_on_one_thread": counter("cpu_steps_on_one_thread", "Engine steps run on one thread "
+                                               "because another process held one of the team's cores."),
+            "cpu_one_thread_holds": counter("cpu_one_thread_holds", "Times the engine's steps went to one "
+                                            "thread for a while (another process held a core)."),
+            "cpu_decode_calls_on_one_thread": counter("cpu_decode_calls_on_one_thread", "Fused decode calls "
+                                                      "run on one thread after the team lagged behind a busy core."),
+        }
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
                              _LATENCY_BUCKETS)
@@ -61,7 +70,7 @@ class ServerMetrics:
         self.timeline = Timeline()  # the dashboard's per-second view of the same events
         self._seen_tokens: dict[str, tuple[int, float]] = {}
         self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                               **dict.fromkeys(self.spec, 0)}
+                               **dict.fromkeys(self.spec, 0), **dict.fromkeys(self.one_thread, 0)}
 
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
         """Called on the engine thread after each step with the outputs it produced."""
@@ -112,6 +121,7 @@ class ServerMetrics:
                 if n > self._spec_per_pos[i]:
                     self.spec_per_pos.labels(self.model_name, str(i)).inc(n - self._spec_per_pos[i])
                     self._spec_per_pos[i] = n
+        counters += [(key, metric) for key, metric in self.one_thread.items() if key in stats]
         for key, metric in counters:
             delta = stats[key] - self._engine_counts[key]
             if delta > 0:
