@@ -108,13 +108,12 @@ def gpt_oss_config(common: dict, **overrides):
     (0.5) that these small activations reach."""
     from transformers import GptOssConfig
 
-    overrides = {"swiglu_limit": 0.5, **overrides}
-    return GptOssConfig(**{**common, "intermediate_size": 32, "num_hidden_layers": 3}, head_dim=16,
-                        num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
-                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
-                        **overrides)
+    settings = dict(common, intermediate_size=32, num_hidden_layers=3, head_dim=16, num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})
+    return GptOssConfig(**{**settings, **overrides})
 
 
 def phi3_configs(common: dict) -> dict:

@@ -17,6 +17,7 @@ import torch
 from tests.conftest import ARCHS, PROMPTS, block_bytes, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed.shard import Shard
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels import quant
 
 MAX_NEW = 24
@@ -451,5 +452,52 @@ def test_speculative_decoding_on_a_split_model(tiny_models):
         assert [o.outputs[0].token_ids for o in outs] == ref
         stats = llm.engine.spec_stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    finally:
+        assert_stopped(llm)
+
+
+@pytest.fixture(scope="module")
+def wide_experts(tmp_path_factory) -> dict[str, str]:
+    """Mixture-of-experts models whose experts (64 rows: 32 a rank) still fit the fused decode step when
+    split over 2 ranks: Qwen2-MoE (shared expert, a dense middle layer), Mixtral (a window of 24) and gpt-oss
+    (biases, the down bias on rank 0 only; sinks)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    from tests.conftest import gpt_oss_config, save_tiny_models
+
+    def configs(vocab: int) -> dict:
+        common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+        return {
+            "qwen2-moe": Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                        norm_topk_prob=False, mlp_only_layers=[1]),
+            "mixtral": MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=24),
+            "gpt-oss": gpt_oss_config(common, intermediate_size=64),
+        }
+
+    return save_tiny_models(tmp_path_factory.mktemp("wide-experts"), configs)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels")
+@pytest.mark.parametrize("arch", ["qwen2-moe", "mixtral", "gpt-oss"])
+def test_experts_split_over_ranks_run_in_the_fused_step(wide_experts, arch):
+    """Each rank's part of every expert (and of the shared expert) runs in the fused decode step, summed over
+    the group before it joins the residual, in single steps and in steps of more requests than one parallel
+    region takes (the batched path): the greedy tokens stay transformers'."""
+    folder = wide_experts[arch]
+    llm, prompt_ids, tokens = run_split(folder)
+    try:
+        fused = llm.engine.model.built_fused_decoder()
+        assert fused is not None and fused.team_stats()[0] > 0, "decode steps should have run fused"
+        assert tokens == reference(folder, prompt_ids)
+        if llm.engine.runner.governor is None:  # ranks of one thread each: a team's governor, as on larger hosts
+            llm.engine.runner.governor = cpu_kernels.ThreadGovernor(2)
+        assert llm.engine.stats()["cpu_decode_calls_on_one_thread"] == fused.team_stats()[1]
+        many = [ids[:n] for n in (3, 5, 8) for ids in prompt_ids][:12]  # past the MoE team's 8 rows
+        outs = llm.generate(many, SamplingParams(temperature=0, max_tokens=6, min_tokens=6))
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, many, 6)[0]
     finally:
         assert_stopped(llm)

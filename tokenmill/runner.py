@@ -90,8 +90,7 @@ class ModelRunner:
         and its holds, and the fused decoder's calls that its own switch ran there. {} on one thread."""
         if self.governor is None:
             return {}
-        cached = getattr(self.model, "_fused", None)
-        fused = cached[1] if cached is not None else None
+        fused = self.model.built_fused_decoder() if hasattr(self.model, "built_fused_decoder") else None
         return {"cpu_steps_on_one_thread": self.governor.solo_steps, "cpu_one_thread_holds": self.governor.switches,
                 "cpu_decode_calls_on_one_thread": fused.team_stats()[1] if fused is not None else 0}
 

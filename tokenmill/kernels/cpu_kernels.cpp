@@ -1476,9 +1476,11 @@ struct Routing {
 // pairs (in pair order) of weight * the expert's output (out [pairs, hidden]), plus the shared expert's
 // output (shared [B, hidden]) times sigmoid(its gate g[b]), rounded where the eager model rounds (each
 // weighted output, each partial sum, the gate, its product, the residual add).
+// add=false: x := the experts' sum alone (a tensor-parallel shard's part, summed over the group before it joins
+// the residual).
 template <typename T>
 void add_experts(const MoEWeights& M, const Routing& r, const T* out, const T* shared, const T* g, int64_t b,
-                 int64_t hidden, int64_t c0, int64_t c1, T* x) {
+                 int64_t hidden, int64_t c0, int64_t c1, T* x, bool add = true) {
   const int64_t k = M.top_k;
   const float gate = M.shared() ? rounded<T>(1.f / (1.f + std::exp(-to_float(g[b])))) : 0.f;
   for (int64_t c = c0; c < c1; ++c) {
@@ -1489,7 +1491,7 @@ void add_experts(const MoEWeights& M, const Routing& r, const T* out, const T* s
       acc = j == 0 ? v : rounded<T>(acc + v);
     }
     if (M.shared()) acc = rounded<T>(acc + rounded<T>(gate * to_float(shared[b * hidden + c])));
-    x[b * hidden + c] = from_float<T>(to_float(x[b * hidden + c]) + acc);
+    x[b * hidden + c] = from_float<T>(add ? to_float(x[b * hidden + c]) + acc : acc);
   }
 }
 
@@ -1672,7 +1674,6 @@ class FusedDecoder {
                 "set_experts follows an add_layer given no gate_up and down");
     LayerWeights<T>& L = layers_.back();
     TORCH_CHECK(!L.ffn_out_norm, "experts after sandwich norms are not supported");
-    TORCH_CHECK(!group_, "a tensor-parallel decoder takes no experts");
     const int64_t E = (int64_t)gate_up.size();
     TORCH_CHECK(E >= 1 && (int64_t)down.size() == E, "gate_up and down: one part list per expert");
     TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be in [1, experts]");
@@ -1816,7 +1817,6 @@ class FusedDecoder {
   // vocabulary of vocab_total, cut in slices of ceil(vocab_total / world) rows), and row-parallel
   // projections (o, down) and the embedding are summed over the group.
   void set_group(std::shared_ptr<TPGroup> group, int64_t vocab_start, int64_t vocab_total) {
-    for (const auto& L : layers_) TORCH_CHECK(!L.moe, "the tensor-parallel sums do not cover mixture-of-experts layers");
     const int64_t world = group->group.world(), slice = (vocab_total + world - 1) / world;
     TORCH_CHECK(vocab_total < (int64_t(1) << 24), "a sharded vocabulary has fewer than 2^24 rows");
     TORCH_CHECK(vocab_start == group->group.rank() * slice && embed_.N == std::min(slice, vocab_total - vocab_start)
@@ -2265,6 +2265,13 @@ class FusedDecoder {
         barrier.wait(n);
       }
       rms_norm_rows(resid, data(L.post_norm), h, B, hidden, eps_, norm_offset_, norm_in_float_);
+      if (L.moe && group_) {  // this shard's part of every expert, summed over the group, then the residual's
+        team_experts(*L.moe, B, h, buf.branch.data(), w, n, barrier, buf, ts, false);
+        barrier.wait(n);
+        sum_shards(buf.branch.data(), B, w, n, barrier);
+        add_branch(c10::nullopt);
+        continue;
+      }
       if (L.moe) {
         if (resid != xp) barrier.wait(n);  // every thread past add_branch's reads of xp before any writes to it
         to_shared();
@@ -2309,7 +2316,7 @@ class FusedDecoder {
   // of those experts' down projections, which it weighs and adds to the same columns of the residual rows.
   // Its weight reads follow walks of their own, planned once the step has routed.
   void team_experts(const MoEWeights& M, int64_t B, const T* h, T* xp, int w, int n, SpinBarrier& barrier,
-                    TeamBuffers& buf, ThreadState& ts) {
+                    TeamBuffers& buf, ThreadState& ts, bool add = true) {
     const int64_t E = M.experts(), I = M.I, SI = M.shared_I, H = hidden_;
     Routing& r = ts.routing;
     std::vector<Segment>& segs = ts.segs;
@@ -2379,7 +2386,7 @@ class FusedDecoder {
       }
     }
     for (int64_t b = 0; b < B; ++b)
-      add_experts<T>(M, r, out, buf.shared_out.data(), ts.gate.data(), b, H, o0, o1, xp);
+      add_experts<T>(M, r, out, buf.shared_out.data(), ts.gate.data(), b, H, o0, o1, xp, add);
   }
 
   // Thread w of n's weight stream for a step that ends in the output layer: its rows of the decoder
@@ -2562,7 +2569,19 @@ class FusedDecoder {
     const int64_t H = hidden_;
     Routing r;
     const auto logits = product(M.router, h, row_of(M.router_bias));
-    r.route<T>(M, data(logits), B);
+    const T* routed = data(logits);
+    std::vector<T> first;
+    if (group_) {  // rank 0's logits route every rank: a product on another thread count may round a near-tie apart
+      const int64_t n = B * M.experts(), world = group_->group.world();
+      std::vector<float> mine(n), all(n * world);
+      for (int64_t i = 0; i < n; ++i) mine[i] = to_float(routed[i]);
+      group_->group.all_gather(mine.data(), n, all.data());
+      group_->check();
+      first.resize(n);
+      for (int64_t i = 0; i < n; ++i) first[i] = from_float<T>(all[i]);
+      routed = first.data();
+    }
+    r.route<T>(M, routed, B);
     // down(act(gate(x)) * up(x)) of one expert, gate_up [2I, hidden] holding its gate rows, then its up rows.
     auto mlp = [&](const Matrix& gate_up, const Matrix& down, const torch::Tensor& x, int64_t I,
                    c10::optional<torch::Tensor> gate_up_bias = c10::nullopt,
@@ -2586,9 +2605,15 @@ class FusedDecoder {
       shared = mlp(M.shared_gate_up, M.shared_down, h, M.shared_I);
       gate = product(M.shared_gate, h);
     }
+    // A tensor-parallel shard's part is summed over the group before it joins the residual.
+    auto part = group_ ? torch::empty({B, H}, h.options()) : torch::Tensor();
     for (int64_t b = 0; b < B; ++b)
       add_experts<T>(M, r, data(out), M.shared() ? data(shared) : nullptr, M.shared() ? data(gate) : nullptr, b, H,
-                     0, H, xp);
+                     0, H, group_ ? data_mut(part) : xp, !group_);
+    if (group_) {
+      group_->all_reduce(data_mut(part), B * H);
+      add_into(xp, data(part), B * H);
+    }
   }
 
   // x W^T as a separate linear layer computes it: a dense bfloat16 matrix through linear_bf16 (the GEMV

@@ -182,14 +182,15 @@ class LlamaForCausalLM(nn.Module):
             self._fused = cached
         return cached[1]
 
+    def built_fused_decoder(self):
+        """The fused decoder if a decode step has built it, else None."""
+        cached = getattr(self, "_fused", None)
+        return None if cached is None else cached[1]
+
     def _build_fused_decoder(self, kv_caches: list, block_size: int):
         kernels = cpu_kernels.load()
         cfg = self.config
         if kernels is None:
-            return None
-        if cfg.moe is not None and self.tp_group is not None:
-            logger.info("the fused decode step does not run mixture-of-experts layers split over tensor-parallel "
-                        "ranks: decode steps run module by module (each active expert's tokens in one product)")
             return None
         moe_sizes = [] if cfg.moe is None else [cfg.moe.intermediate_size, cfg.moe.shared_intermediate_size]
         if any(size % 32 for size in moe_sizes):
