@@ -142,8 +142,6 @@ def phi3_configs(common: dict) -> dict:
 ARCHS = ["llama", "llama3-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini", "mixtral",
          "qwen2-moe", "qwen3-moe", "gpt-oss"]
 MOE_ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss"]
-# The architectures the ONNX export takes: all but mixture-of-experts.
-DENSE_ARCHS = [a for a in ARCHS if a not in MOE_ARCHS]
 
 
 def save_tiny_models(root, configs) -> dict[str, str]:

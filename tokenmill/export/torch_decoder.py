@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.layers import gated
 from tokenmill.model.rotary import long_rope_inv_freq, rope_inv_freq, rope_type_of
 
 
@@ -39,8 +40,6 @@ class TorchDecoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         cfg = self.config = model.config
-        if cfg.moe is not None:
-            raise ValueError(f"export covers dense decoders; {type(model).__name__} has mixture-of-experts layers")
         self.embed = nn.Parameter(dense(model.embed_tokens), requires_grad=False)
         # None: the output layer is the embedding (tied).
         self.head = None if model.lm_head is None else nn.Parameter(dense(model.lm_head), requires_grad=False)
@@ -125,8 +124,7 @@ class _Layer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.scale, self.softcap = a.scale, a.softcap
         self.sandwich = layer.sandwich
-        self.activation = m.activation
-        self.intermediate = m.intermediate
+        self.moe = _Experts(m) if hasattr(m, "experts") else None
 
         def param(t: torch.Tensor | None) -> nn.Parameter | None:
             return None if t is None else nn.Parameter(t, requires_grad=False)
@@ -142,8 +140,11 @@ class _Layer(nn.Module):
         self.post_attention_norm = norm(layer.post_attention_layernorm)
         self.pre_ffn_norm = norm(getattr(layer, "pre_feedforward_layernorm", None))
         self.post_ffn_norm = norm(getattr(layer, "post_feedforward_layernorm", None))
-        self.gate_up, self.gate_up_bias = param(dense(m.gate_up_proj)), param(dense(m.gate_up_proj, "bias"))
-        self.down, self.down_bias = param(dense(m.down_proj)), param(dense(m.down_proj, "bias"))
+        self.sinks = param(None if a.sinks is None else a.sinks.detach().float())
+        if self.moe is None:
+            self.activation, self.intermediate = m.activation, m.intermediate
+            self.gate_up, self.gate_up_bias = param(dense(m.gate_up_proj)), param(dense(m.gate_up_proj, "bias"))
+            self.down, self.down_bias = param(dense(m.down_proj)), param(dense(m.down_proj, "bias"))
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, w, self.eps, self.offset)
@@ -174,7 +175,12 @@ class _Layer(nn.Module):
         scores = (q @ kk.transpose(2, 3)) * self.scale
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        attn = torch.softmax(scores + mask, dim=-1) @ vv
+        scores = scores + mask
+        if self.sinks is not None:  # each head's sink logit joins its softmax's denominator, then goes
+            sink = self.sinks[None, :, None, None].expand(b, h, n, 1)
+            attn = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1] @ vv
+        else:
+            attn = torch.softmax(scores, dim=-1) @ vv
         out = self._linear(attn.transpose(1, 2).reshape(b, n, h * d), self.o, self.o_bias)
         if self.sandwich:
             x = x + self._norm(out, self.post_attention_norm)
@@ -182,8 +188,65 @@ class _Layer(nn.Module):
         else:
             x = x + out
             mlp_in = self._norm(x, self.post_attention_norm)
-        gate, up = self._linear(mlp_in, self.gate_up, self.gate_up_bias).split(self.intermediate, dim=-1)
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        mlp = self._linear(act * up, self.down, self.down_bias)
+        if self.moe is not None:
+            mlp = self.moe(mlp_in)
+        else:
+            gate, up = self._linear(mlp_in, self.gate_up, self.gate_up_bias).split(self.intermediate, dim=-1)
+            act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+            mlp = self._linear(act * up, self.down, self.down_bias)
         x = x + (self._norm(mlp, self.post_ffn_norm) if self.sandwich else mlp)
         return x, k, v
+
+
+class _Experts(nn.Module):
+    """A mixture-of-experts feed-forward (model/moe.py's SparseMoE), float32, as plain tensor operations: the
+    router's top k by the model's own rule, every expert over every token in one product per weight (a
+    graph has no data-dependent loop), and each token's output the sum of its experts' outputs weighted by
+    its routing weights (zero for the experts it did not pick); Qwen2-MoE's gated shared expert added."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        spec, experts = moe.spec, moe.experts
+        self.top_k, self.norm_topk_prob, self.softmax_after_topk = spec.top_k, spec.norm_topk_prob, spec.softmax_after_topk
+        self.intermediate, self.activation, self.glu = experts.intermediate, experts.activation, experts.glu
+
+        def param(t: torch.Tensor | None) -> nn.Parameter | None:
+            return None if t is None else nn.Parameter(t.detach().float(), requires_grad=False)
+
+        self.router, self.router_bias = param(dense(moe.gate)), param(dense(moe.gate, "bias"))
+        if experts.quantized:
+            raise ValueError("the export takes experts loaded as float weights (quantization='none')")
+        self.gate_up, self.down = param(experts.gate_up_proj), param(experts.down_proj)  # [E, 2I, H], [E, H, I]
+        self.gate_up_bias, self.down_bias = param(experts.gate_up_bias), param(experts.down_bias)
+        shared = moe.shared_expert
+        self.shared = None
+        if shared is not None:
+            self.shared = nn.ParameterList([param(dense(shared.gate_up_proj)), param(dense(shared.down_proj)),
+                                            param(dense(moe.shared_expert_gate))])
+            self.shared_intermediate = shared.intermediate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x @ self.router.t()
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        if self.softmax_after_topk:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        every = torch.zeros(*logits.shape, dtype=x.dtype).scatter(-1, ids, weights)  # [b, n, E]
+        gate_up = torch.einsum("bnh,eih->bnei", x, self.gate_up)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        out = torch.einsum("bnei,ehi->bneh", gated(gate, up, self.activation, self.glu), self.down)
+        if self.down_bias is not None:
+            out = out + self.down_bias
+        y = torch.einsum("bneh,bne->bnh", out, every)
+        if self.shared is not None:
+            gate_up_w, down_w, gate_w = self.shared
+            gate, up = (x @ gate_up_w.t()).split(self.shared_intermediate, dim=-1)
+            y = y + torch.sigmoid(x @ gate_w.t()) * (gated(gate, up, self.activation, self.glu) @ down_w.t())
+        return y
