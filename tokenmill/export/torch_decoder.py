@@ -192,8 +192,7 @@ class _Layer(nn.Module):
             mlp = self.moe(mlp_in)
         else:
             gate, up = self._linear(mlp_in, self.gate_up, self.gate_up_bias).split(self.intermediate, dim=-1)
-            act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-            mlp = self._linear(act * up, self.down, self.down_bias)
+            mlp = self._linear(gated(gate, up, self.activation), self.down, self.down_bias)
         x = x + (self._norm(mlp, self.post_ffn_norm) if self.sandwich else mlp)
         return x, k, v
 
