@@ -18,16 +18,23 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
-    """[rows, bytes per row] of valid K-format blocks: random quants and scales, the float16 super-block
-    scales set so that weights come out at about the size of a small model's (gguf cannot quantize to K
-    formats, and any bit pattern of the rest is a valid block)."""
+    """[rows, bytes per row] of valid blocks of a type gguf cannot quantize to (the K formats, IQ4_NL, IQ4_XS):
+    random codes and sub-block scales, the float16 block scales set so that weights come out at about the size
+    of a small model's (any bit pattern of the rest is a valid block)."""
     import gguf
 
+    T = gguf.GGMLQuantizationType
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
-    scales = rng.uniform(2e-5, 1.5e-4, (rows, cols // block, 2)).astype(np.float16)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d: the last 2 bytes
+    # the largest |code x sub-block scale| of each type, against Q4_K's 63 x 15
+    reach = {T.Q2_K: 15 * 3, T.Q3_K: 32 * 4, T.IQ4_XS: 32 * 127, T.IQ4_NL: 127}.get(qtype, 63 * 15)
+    scales = (rng.uniform(2e-5, 1.5e-4, (rows, cols // block, 2)) * (63 * 15 / reach)).astype(np.float16)
+    if qtype in (T.Q6_K, T.Q3_K):  # d: the last 2 bytes
         data[..., -2:] = scales[..., :1].view(np.uint8)
+    elif qtype == T.Q2_K:  # d, dmin: the last 4
+        data[..., -4:] = scales.view(np.uint8).reshape(rows, cols // block, 4)
+    elif qtype in (T.IQ4_NL, T.IQ4_XS):  # d leads the block
+        data[..., 0:2] = scales[..., :1].view(np.uint8)
     else:  # d, dmin lead the block
         data[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // block, 4)
     return data.reshape(rows, -1)
@@ -137,7 +144,7 @@ def write_llama_gguf(path, folder: str, types, metadata: dict | None = None, ski
     rope_factors_short tensors and its rotary dims, original context and attention factor as metadata; experts
     stacked per layer (ffn_*_exps), Mixtral as arch llama with expert counts, routers (ffn_gate_inp) kept F32
     as llama.cpp's quantizer keeps them. types(gguf name) gives each weight's type name:
-    F32, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/TQ2_0 (quantized from the folder's weights) or Q4_K/Q5_K/Q6_K (random blocks: the
+    F32, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/TQ2_0 (quantized from the folder's weights) or another (random blocks: the
     file's weights are then whatever those blocks hold). Norms stay F32. metadata: more key/value pairs
     (floats as FLOAT32, ints as INT32). skip: GGUF tensor names left out. legacy_experts: one tensor per expert
     (blk.N.ffn_gate.E, ...), the layout of older Mixtral files."""

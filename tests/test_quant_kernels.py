@@ -9,7 +9,8 @@ gguf = pytest.importorskip("gguf")
 from tokenmill.kernels import quant  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+PER256 = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)  # the formats whose rows take inputs rounded per 256
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -44,8 +45,12 @@ def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
                                 rng.integers(117, 124, (n, k // block)))
         return data.reshape(n, -1)
     halves = rng.uniform(1e-4, 2e-3, (n, k // block, 2)).astype(np.float16).view(np.uint8)
-    if qtype == T.Q6_K:  # d is the last 2 bytes
+    if qtype in (T.Q6_K, T.Q3_K):  # d is the last 2 bytes
         data[..., -2:] = halves[..., 0:2]
+    elif qtype == T.Q2_K:  # d, dmin are the last 4
+        data[..., -4:] = halves.reshape(n, k // block, 4)
+    elif qtype in (T.IQ4_NL, T.IQ4_XS):  # d leads the block
+        data[..., 0:2] = halves[..., 0:2]
     else:  # d, dmin lead the block
         data[..., 0:4] = halves.reshape(n, k // block, 4)
     return data.reshape(n, -1)
@@ -54,7 +59,7 @@ def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
 def quantized_activation(x: np.ndarray, qtype=None) -> np.ndarray:
     """The activations the kernel multiplies: int8 blocks of 32, d = max|x| / 127, round to nearest even.
     Against the K formats' rows, max|x| is taken over each 256 values (one scale per super-block)."""
-    group = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and x.shape[1] % 256 == 0 else 32
+    group = 256 if qtype in PER256 and x.shape[1] % 256 == 0 else 32
     b = x.astype(np.float32).reshape(x.shape[0], -1, group)
     amax = np.abs(b).max(-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)

@@ -47,6 +47,11 @@ VARIANTS = {
     # MXFP4); TQ2_0 has no kernel (dequantized)
     "mixed": lambda name: {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
                            "ffn_up": "MXFP4", "ffn_down": "TQ2_0"}.get(name.split(".")[-2], "Q4_1"),
+    # the 2-, 3- and 4-bit formats of Q2_K, Q3_K_S/M/L and IQ4_XS files (IQ4_NL: where a row does not divide
+    # into IQ4_XS's 256), q, k and v again in three, the embedding in one of them
+    "lowbit": lambda name: {"attn_q": "Q3_K", "attn_k": "IQ4_NL", "attn_v": "IQ4_XS", "attn_output": "Q2_K",
+                            "ffn_gate": "Q3_K", "ffn_up": "IQ4_XS", "ffn_down": "Q2_K", "token_embd": "Q3_K",
+                            "output": "IQ4_XS"}[name.split(".")[-2]],
 }
 
 
@@ -156,7 +161,7 @@ def _decode_runs(path, dtype, fused, prompts):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "mixed"])
+@pytest.mark.parametrize("variant", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "mixed", "lowbit"])
 def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant, dtype, int8_products):
     """The whole-step decoder reads the blocks in place (each format; a merged projection in two formats; an
     output layer tied to a quantized embedding or its own), for one request (one row per pass over the
@@ -237,9 +242,10 @@ def test_fused_step_of_many_requests_on_the_float_path(quantized_files):
         quant.set_float_rows(0)
 
 
-def test_memory_is_the_files(quantized_files):
+@pytest.mark.parametrize("variant", ["Q4_K_M", "lowbit"])
+def test_memory_is_the_files(quantized_files, variant):
     """Resident weights: the file's tensor bytes (the blocks are not widened), norms in float32."""
-    path = quantized_files["Q4_K_M"]
+    path = quantized_files[variant]
     llm = _engine(path)
     reader = GGUFFile(path)
     file_bytes = sum(t.data.nbytes for t in reader.tensors)

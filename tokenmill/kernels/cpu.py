@@ -35,7 +35,8 @@ logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_DIR, "cpu_kernels.cpp")
-_HEADERS = [os.path.join(_DIR, name) for name in ("quant.h", "quant_product.h", "quant_amx.h", "quant_tiles.h", "quant_pairs.h", "simd.h", "shm_group.h")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("quant.h", "quant_lowbit.h", "quant_product.h", "quant_amx.h", "quant_tiles.h",
+                                                  "quant_pairs.h", "simd.h", "shm_group.h")]
 _NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # the kernels' instruction sets
 _NEEDED_SIMDE = ("avx2", "fma", "f16c")  # ... or these, with SIMDe carrying out the AVX-512 intrinsics
 

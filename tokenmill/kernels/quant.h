@@ -18,6 +18,8 @@
 //   Q5_0  [nb float16 scales d] [fifth bits] [codes]
 //   Q5_1  [nb float16 scales d] [nb float16 offsets m] [fifth bits] [codes]
 //   MXFP4 [nb E8M0 scales] [codes] (w = 2^(e - 127) v, v the FP4 (E2M1) value a 4-bit code names; gpt-oss)
+//   IQ4_NL [nb float16 scales d] [codes] (w = d v, v the int8 value of a fixed non-linear table a code names)
+// Q2_K, Q3_K and IQ4_XS (quant_lowbit.h) are read as the file holds them, as the other K formats.
 // The codes come in groups of 16 blocks, each group's blocks transposed by 4-byte words: word t of block l
 // lies at word 16 t + l of its group. A block's words are its code bytes as GGUF orders them: 8 for Q8_0
 // (elements 4t..4t + 3), 4 for the 4-bit formats (byte j holds element j in its low nibble and j + 16 in its
@@ -59,7 +61,13 @@
 namespace tmq {
 
 // GGML type ids (gguf.GGMLQuantizationType).
-enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
+enum Type : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39
+};
+
+// IQ4_NL's and IQ4_XS's table: the int8 value each 4-bit code names (codes 0-7 negative, 8-15 positive).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // MXFP4: the FP4 (E2M1) values of the 16 codes, doubled to be integers (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
 // negatives), and a block scale 2^(e - 127) halved to match: the scale of a block is e8m0_half(e).
@@ -282,7 +290,45 @@ constexpr int QKK = 256;  // the super-block of the K formats
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
+struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
+struct BlockIQ4_XS { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "block size");
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockIQ4_XS) == 136, "block size");
+
+// The 16 6-bit scales of a Q3_K super-block less their bias of 32, one signed byte a sub-block (of 16):
+// sub-block i's low 4 bits in byte i % 8 (low nibble for i < 8, high for the rest), its top 2 bits at bits
+// 2 (i / 4) of byte 8 + i % 4. Each 32-bit word of the result holds four of them.
+inline void q3_k_scales(const uint8_t* s, int8_t out[16]) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  const uint32_t lo = 0x0F0F0F0F, hi = 0x03030303;
+  const uint32_t v[4] = {(w[0] & lo) | ((w[2] & hi) << 4), (w[1] & lo) | (((w[2] >> 2) & hi) << 4),
+                         ((w[0] >> 4) & lo) | (((w[2] >> 4) & hi) << 4), ((w[1] >> 4) & lo) | (((w[2] >> 6) & hi) << 4)};
+  std::memcpy(out, v, 16);
+  for (int i = 0; i < 16; ++i) out[i] = (int8_t)(out[i] - 32);
+}
+
+// The 8 6-bit scales of an IQ4_XS super-block less their bias of 32, one a sub-block (of 32): the low 4
+// bits in nibble j % 2 of scales_l[j / 2], the top 2 at bits 2j of scales_h.
+inline void iq4_xs_scales(const BlockIQ4_XS& x, int8_t out[8]) {
+  for (int j = 0; j < 8; ++j)
+    out[j] = (int8_t)((((x.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((x.scales_h >> (2 * j)) & 3) << 4)) - 32);
+}
+
+// v as it is, kept from being fused with a later addition into one multiply-add (the reference rounds the
+// product first; the compiler may contract a * b - c in scalar code).
+TM_INLINE float rounded(float v) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(v));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#else
+  volatile float t = v;
+  v = t;
+#endif
+  return v;
+}
 
 TM_INLINE float fp16(uint16_t h) {
 #ifdef __F16C__
@@ -334,6 +380,10 @@ inline bool format_of(int type, Format& f) {
     case Q4_K: f = {QKK, 144}; return true;
     case Q5_K: f = {QKK, 176}; return true;
     case Q6_K: f = {QKK, 210}; return true;
+    case Q2_K: f = {QKK, 84}; return true;
+    case Q3_K: f = {QKK, 110}; return true;
+    case IQ4_XS: f = {QKK, 136}; return true;
+    case IQ4_NL: f = {QK, 18}; return true;
     case MXFP4: f = {QK, 17}; return true;
     default: return false;
   }
@@ -363,6 +413,63 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
       }
       break;
     }
+    case IQ4_NL: {  // the repacked layout: Q4_0's (scales, then the codes by group)
+      const int64_t nb = K / QK;
+      const uint16_t* d = (const uint16_t*)row;
+      thread_local BlockCodes c;
+      c.set(type, row + 2 * nb, nullptr, nb);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = c.block(b, 4);
+        const float db = fp16(d[b]);
+        for (int i = 0; i < 16; ++i)
+          y[b * 32 + i] = db * (float)kIq4Values[p[i] & 0xF], y[b * 32 + 16 + i] = db * (float)kIq4Values[p[i] >> 4];
+      }
+      break;
+    }
+    case IQ4_XS:
+      for (int64_t b = 0; b < K / QKK; ++b) {
+        const BlockIQ4_XS& x = ((const BlockIQ4_XS*)row)[b];
+        int8_t sc[8];
+        iq4_xs_scales(x, sc);
+        const float d = fp16(x.d);
+        for (int j = 0; j < 8; ++j) {
+          const float dl = d * (float)sc[j];
+          float* out = y + b * QKK + 32 * j;
+          for (int i = 0; i < 16; ++i)
+            out[i] = dl * (float)kIq4Values[x.qs[16 * j + i] & 0xF], out[16 + i] = dl * (float)kIq4Values[x.qs[16 * j + i] >> 4];
+        }
+      }
+      break;
+    case Q2_K:
+    case Q3_K:  // element 128 h + 32 j + l: bits 2j of qs[32 h + l]; Q3_K's third bit, bit 4h + j of hmask[l]
+      for (int64_t b = 0; b < K / QKK; ++b) {
+        float dl[16], ml[16];
+        const uint8_t* qs;
+        const uint8_t* hmask = nullptr;
+        if (type == Q2_K) {
+          const BlockQ2_K& x = ((const BlockQ2_K*)row)[b];
+          const float d = fp16(x.d), dmin = fp16(x.dmin);
+          for (int i = 0; i < 16; ++i) dl[i] = d * (float)(x.scales[i] & 0xF), ml[i] = dmin * (float)(x.scales[i] >> 4);
+          qs = x.qs;
+        } else {
+          const BlockQ3_K& x = ((const BlockQ3_K*)row)[b];
+          int8_t sc[16];
+          q3_k_scales(x.scales, sc);
+          const float d = fp16(x.d);
+          for (int i = 0; i < 16; ++i) dl[i] = d * (float)sc[i], ml[i] = 0.f;
+          qs = x.qs, hmask = x.hmask;
+        }
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j)
+            for (int l = 0; l < 32; ++l) {
+              const int e = 128 * h + 32 * j + l;
+              int q = (qs[32 * h + l] >> (2 * j)) & 3;
+              if (hmask) q -= (hmask[l] >> (4 * h + j)) & 1 ? 0 : 4;
+              const float v = dl[e / 16] * (float)q;
+              y[b * QKK + e] = hmask ? v : rounded(v) - ml[e / 16];
+            }
+      }
+      break;
     case Q4_0:
     case Q4_1:
     case Q5_0:
@@ -571,6 +678,79 @@ inline void dequantize_q6_k(const uint8_t* row, float* y, int64_t K) {
     }
   }
 }
+
+// IQ4_NL / IQ4_XS: each code's table value as a float lane (permutexvar over the 16 values).
+TM_INLINE __m512 iq4_lanes(__m128i codes) {
+  const __m512 table = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)kIq4Values)));
+  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
+}
+
+inline void dequantize_iq4_nl(const uint8_t* row, float* y, int64_t K) {
+  const int64_t nb = K / QK;
+  const uint16_t* d = (const uint16_t*)row;
+  thread_local BlockCodes c;
+  c.set(IQ4_NL, row + 2 * nb, nullptr, nb);
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
+    const __m512 db = _mm512_set1_ps(fp16(d[b]));
+    _mm512_storeu_ps(y + b * QK, _mm512_mul_ps(db, iq4_lanes(_mm_and_si128(q, m4))));
+    _mm512_storeu_ps(y + b * QK + 16, _mm512_mul_ps(db, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
+  }
+}
+
+inline void dequantize_iq4_xs(const uint8_t* row, float* y, int64_t K) {
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    const BlockIQ4_XS& x = ((const BlockIQ4_XS*)row)[b];
+    int8_t sc[8];
+    iq4_xs_scales(x, sc);
+    const float d = fp16(x.d);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 dl = _mm512_set1_ps(d * (float)sc[j]);
+      const __m128i q = _mm_loadu_si128((const __m128i*)(x.qs + 16 * j));
+      _mm512_storeu_ps(y + b * QKK + 32 * j, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(q, m4))));
+      _mm512_storeu_ps(y + b * QKK + 32 * j + 16, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
+    }
+  }
+}
+
+// Q2_K and Q3_K: 16 elements (sub-block i = 8h + 2j + c) at a time, with the portable path's operations.
+template <bool THREE>
+inline void dequantize_q23_k(const uint8_t* row, float* y, int64_t K) {
+  const __m128i m2 = _mm_set1_epi8(3);
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    float dl[16], ml[16];
+    const uint8_t *qs, *hmask = nullptr;
+    if constexpr (THREE) {
+      const BlockQ3_K& x = ((const BlockQ3_K*)row)[b];
+      int8_t sc[16];
+      q3_k_scales(x.scales, sc);
+      const float d = fp16(x.d);
+      for (int i = 0; i < 16; ++i) dl[i] = d * (float)sc[i];
+      qs = x.qs, hmask = x.hmask;
+    } else {
+      const BlockQ2_K& x = ((const BlockQ2_K*)row)[b];
+      const float d = fp16(x.d), dmin = fp16(x.dmin);
+      for (int i = 0; i < 16; ++i) dl[i] = d * (float)(x.scales[i] & 0xF), ml[i] = dmin * (float)(x.scales[i] >> 4);
+      qs = x.qs;
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 2; ++c) {
+          __m512i q = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)(qs + 32 * h + 16 * c)), 2 * j), m2));
+          if constexpr (THREE) {  // less 4 where the third bit is clear
+            const __m128i hb = _mm_loadu_si128((const __m128i*)(hmask + 16 * c));
+            const __mmask16 set = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(hb), _mm512_set1_epi32(1 << (4 * h + j)));
+            q = _mm512_mask_sub_epi32(q, (__mmask16)~set, q, _mm512_set1_epi32(4));
+          }
+          const int i = 8 * h + 2 * j + c;
+          __m512 v = _mm512_mul_ps(_mm512_set1_ps(dl[i]), _mm512_cvtepi32_ps(q));
+          if constexpr (!THREE) v = _mm512_sub_ps(v, _mm512_set1_ps(ml[i]));
+          _mm512_storeu_ps(y + b * QKK + 128 * h + 32 * j + 16 * c, v);
+        }
+  }
+}
 #endif  // TM_QUANT_AVX512
 
 // The exact float values of a row (the portable path's, vectorised where the CPU allows).
@@ -585,6 +765,10 @@ inline void dequantize_row(int type, const uint8_t* row, float* y, int64_t K) {
     case Q4_K: return dequantize_q45_k<false>(row, y, K);
     case Q5_K: return dequantize_q45_k<true>(row, y, K);
     case Q6_K: return dequantize_q6_k(row, y, K);
+    case Q2_K: return dequantize_q23_k<false>(row, y, K);
+    case Q3_K: return dequantize_q23_k<true>(row, y, K);
+    case IQ4_NL: return dequantize_iq4_nl(row, y, K);
+    case IQ4_XS: return dequantize_iq4_xs(row, y, K);
   }
 #endif
   dequantize_row_portable(type, row, y, K);
@@ -730,7 +914,11 @@ inline void dequantize_row_bf16(int type, const uint8_t* row, uint16_t* y, int64
   thread_local std::vector<float> f;
   if ((int64_t)f.size() < K) f.resize(K);
   dequantize_row(type, row, f.data(), K);
-  for (int64_t k = 0; k < K; ++k) y[k] = bf16_bits(f[k]);
+  int64_t k = 0;
+#ifdef TM_QUANT_AVX512  // (K is a multiple of 32)
+  for (; k < K; k += 16) _mm256_storeu_si256((__m256i*)(y + k), bf16x16(_mm512_loadu_ps(f.data() + k)));
+#endif
+  for (; k < K; ++k) y[k] = bf16_bits(f[k]);
 }
 
 // A row of GGUF blocks into the kernel's layout (see the top of this file); K formats are copied as they are.
@@ -789,7 +977,9 @@ struct QRow {
 
 // The K formats' rows multiply inputs with one scale per 256 values: a super-block's integer sub-block
 // products then sum in int32 before a single float multiply. Every other format takes a scale per 32.
-inline bool wants_per256(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+inline bool wants_per256(int type) {
+  return type == Q4_K || type == Q5_K || type == Q6_K || type == Q2_K || type == Q3_K || type == IQ4_XS;
+}
 
 // q4 = q with blocks 4j + 1 and 4j + 2 swapped in every whole group of four blocks (the rest left out): the
 // 64 bytes of one load of a Q4_K or Q5_K super-block hold sub-blocks 4j, 4j + 2 in their low nibbles and
@@ -1072,19 +1262,36 @@ inline void dot_q8_0_pair(const uint8_t* const* rows, const QRow* x, int64_t K, 
 // multiply-add a group; the offsets (m, or the bias times d) come through the inputs' block sums. Q5_0 and
 // Q5_1 add the fifth bits, a byte mask a word row. MXFP4 (FP4): a byte shuffle turns each code q into
 // u = v + 12, v its doubled FP4 value, so w = e8m0_half(e) (u - 12): unsigned bytes as the other formats',
-// with the offset taken through the inputs' block sums as Q4_0's. The row's last nb % 16 blocks, in block
-// order, take one product a pair as Q8_0's.
-template <int R, bool HAS_MIN, bool FIVE, bool FP4 = false>
+// with the offset taken through the inputs' block sums as Q4_0's. IQ4_NL (NL): the shuffle names the
+// table value v (kIq4Values, -127..113): as u = v + 128 with VNNI (whose products of unsigned bytes cannot
+// saturate), the offset of 128 again through the block sums; without it as v itself, multiplied as |v| by
+// the inputs with v's sign (dot4_signed: each 16-bit pair of products stays below 2^15). The row's last
+// nb % 16 blocks, in block order, take one product a pair as Q8_0's.
+template <int R, bool HAS_MIN, bool FIVE, bool FP4 = false, bool NL = false>
 inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   const int64_t nb = K / QK;
   const NibbleRow rw(HAS_MIN ? (FIVE ? Q5_1 : Q4_1) : (FIVE ? Q5_0 : Q4_0), row, nb);
   const uint16_t* dp = rw.d;
   const uint16_t* mp = rw.m;
   const uint8_t* qs = FP4 ? row + nb : rw.qs;
-  const float bias = FP4 ? -12.f : FIVE ? -16.f : -8.f;
+#ifdef TM_QUANT_VNNI
+  constexpr bool kSigned = false;
+#else
+  constexpr bool kSigned = NL;
+#endif
+  const float bias = FP4 ? -12.f : NL ? (kSigned ? 0.f : -128.f) : FIVE ? -16.f : -8.f;
   const __m512i fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i nl = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIq4Values)),
+                                     _mm512_set1_epi8(kSigned ? 0 : (char)0x80));
   const __m512i m4 = _mm512_set1_epi8(0xF), c16 = _mm512_set1_epi8(16);
-  auto lookup = [&](__m512i codes) { return FP4 ? _mm512_shuffle_epi8(fp4, codes) : codes; };
+  auto lookup = [&](__m512i codes) {
+    return FP4 ? _mm512_shuffle_epi8(fp4, codes) : NL ? _mm512_shuffle_epi8(nl, codes) : codes;
+  };
+  // acc + the byte products of codes-made-values w with inputs xv, four to a lane
+  auto product = [](__m512i acc, __m512i w, __m512i xv) {
+    if constexpr (kSigned) return _mm512_add_epi32(acc, dot4_signed(w, xv));
+    else return dot4_add(acc, w, xv);
+  };
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < nb; g += kGroup) {
@@ -1119,8 +1326,8 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xp = x[r].qt + g * QK + 64 * t;  // words t (low nibbles) and 4 + t (high ones)
-          a[r] = dot4_add(a[r], lo, _mm512_loadu_si512((const void*)xp));
-          b[r] = dot4_add(b[r], hi, _mm512_loadu_si512((const void*)(xp + 256)));
+          a[r] = product(a[r], lo, _mm512_loadu_si512((const void*)xp));
+          b[r] = product(b[r], hi, _mm512_loadu_si512((const void*)(xp + 256)));
         }
       }
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), scale[r], acc[r]);
@@ -1141,7 +1348,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       }
       const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;
       for (int r = 0; r < R; ++r) {
-        const __m512 p = _mm512_cvtepi32_ps(dot4(wv, _mm512_maskz_loadu_epi32(lanes, x[r].q + (g + 2 * k) * QK)));
+        const __m512 p = _mm512_cvtepi32_ps(product(_mm512_setzero_si512(), wv, _mm512_maskz_loadu_epi32(lanes, x[r].q + (g + 2 * k) * QK)));
         acc[r] = _mm512_fmadd_ps(p, pair_scales(scale[r], k), acc[r]);
       }
     }
@@ -1338,6 +1545,8 @@ inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+#include "quant_lowbit.h"  // Q2_K, Q3_K and IQ4_XS
+
 #endif  // TM_QUANT_AVX512
 
 #if defined(TOKENMILL_SIMDE) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -1483,6 +1692,10 @@ inline void dot(int type, const uint8_t* row, const QRow* x, int64_t K, float* o
     case Q5_K: if (x[0].per256) return dot_q45_k<R, true>(row, x, K, out); break;
     case Q6_K: if (x[0].per256) return dot_q6_k<R>(row, x, K, out); break;
     case MXFP4: return dot_q4_01<R, false, false, true>(row, x, K, out);
+    case IQ4_NL: return dot_q4_01<R, false, false, false, true>(row, x, K, out);
+    case Q2_K: if (x[0].per256) return dot_q23_k<R, false>(row, x, K, out); break;
+    case Q3_K: if (x[0].per256) return dot_q23_k<R, true>(row, x, K, out); break;
+    case IQ4_XS: if (x[0].per256) return dot_iq4_xs<R>(row, x, K, out); break;
   }
 #endif
   dot_generic<R>(type, row, x, K, out);

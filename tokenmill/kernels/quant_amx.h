@@ -23,6 +23,15 @@
 
 namespace tmq {
 
+// The row-layout formats whose blocks the AMX path unpacks into int8 tiles (not MXFP4's, IQ4_NL's or IQ4_XS's
+// table codes, nor Q2_K's or Q3_K's 2- and 3-bit codes yet: those take the byte products; nor tiled rows).
+inline bool amx_format(int type) {
+  switch (type) {
+    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K: return true;
+    default: return false;
+  }
+}
+
 // Linux gives a process AMX's tile state only once it asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
 inline bool amx_usable() {
   static const bool ok = [] {

@@ -239,7 +239,7 @@ inline void block_product(int type, const uint8_t* w, int64_t row_bytes, int64_t
                               per256 ? sums16.data() + m * K / 16 : nullptr);
   });
 #ifdef TM_QUANT_AMX
-  if (M >= kAmxRows && amx_usable() && type != MXFP4 && !is_tiled(type)) {  // (no tile unpacking for MXFP4's codes yet)
+  if (M >= kAmxRows && amx_usable() && amx_format(type)) {
     amx_product(type, w, row_bytes, N, q.data(), d.data(), s.data(), M, K, yp, ldy);
     if (!direct) y.copy_(y32);
     return;
