@@ -679,13 +679,20 @@ inline void dequantize_q6_k(const uint8_t* row, float* y, int64_t K) {
   }
 }
 
+inline __m256i bf16x16(__m512 v);  // (below)
+
+// 16 values into y: as they are (float), or rounded to bfloat16 (uint16_t: dequantize_row_bf16's, one pass).
+TM_INLINE void store_values(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+TM_INLINE void store_values(uint16_t* y, __m512 v) { _mm256_storeu_si256((__m256i*)y, bf16x16(v)); }
+
 // IQ4_NL / IQ4_XS: each code's table value as a float lane (permutexvar over the 16 values).
 TM_INLINE __m512 iq4_lanes(__m128i codes) {
   const __m512 table = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)kIq4Values)));
   return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
 }
 
-inline void dequantize_iq4_nl(const uint8_t* row, float* y, int64_t K) {
+template <typename T>
+inline void dequantize_iq4_nl(const uint8_t* row, T* y, int64_t K) {
   const int64_t nb = K / QK;
   const uint16_t* d = (const uint16_t*)row;
   thread_local BlockCodes c;
@@ -694,12 +701,13 @@ inline void dequantize_iq4_nl(const uint8_t* row, float* y, int64_t K) {
   for (int64_t b = 0; b < nb; ++b) {
     const __m128i q = _mm_loadu_si128((const __m128i*)c.block(b, 4));
     const __m512 db = _mm512_set1_ps(fp16(d[b]));
-    _mm512_storeu_ps(y + b * QK, _mm512_mul_ps(db, iq4_lanes(_mm_and_si128(q, m4))));
-    _mm512_storeu_ps(y + b * QK + 16, _mm512_mul_ps(db, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
+    store_values(y + b * QK, _mm512_mul_ps(db, iq4_lanes(_mm_and_si128(q, m4))));
+    store_values(y + b * QK + 16, _mm512_mul_ps(db, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
   }
 }
 
-inline void dequantize_iq4_xs(const uint8_t* row, float* y, int64_t K) {
+template <typename T>
+inline void dequantize_iq4_xs(const uint8_t* row, T* y, int64_t K) {
   const __m128i m4 = _mm_set1_epi8(0xF);
   for (int64_t b = 0; b < K / QKK; ++b) {
     const BlockIQ4_XS& x = ((const BlockIQ4_XS*)row)[b];
@@ -709,15 +717,15 @@ inline void dequantize_iq4_xs(const uint8_t* row, float* y, int64_t K) {
     for (int j = 0; j < 8; ++j) {
       const __m512 dl = _mm512_set1_ps(d * (float)sc[j]);
       const __m128i q = _mm_loadu_si128((const __m128i*)(x.qs + 16 * j));
-      _mm512_storeu_ps(y + b * QKK + 32 * j, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(q, m4))));
-      _mm512_storeu_ps(y + b * QKK + 32 * j + 16, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
+      store_values(y + b * QKK + 32 * j, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(q, m4))));
+      store_values(y + b * QKK + 32 * j + 16, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
     }
   }
 }
 
 // Q2_K and Q3_K: 16 elements (sub-block i = 8h + 2j + c) at a time, with the portable path's operations.
-template <bool THREE>
-inline void dequantize_q23_k(const uint8_t* row, float* y, int64_t K) {
+template <bool THREE, typename T>
+inline void dequantize_q23_k(const uint8_t* row, T* y, int64_t K) {
   const __m128i m2 = _mm_set1_epi8(3);
   for (int64_t b = 0; b < K / QKK; ++b) {
     float dl[16], ml[16];
@@ -747,7 +755,7 @@ inline void dequantize_q23_k(const uint8_t* row, float* y, int64_t K) {
           const int i = 8 * h + 2 * j + c;
           __m512 v = _mm512_mul_ps(_mm512_set1_ps(dl[i]), _mm512_cvtepi32_ps(q));
           if constexpr (!THREE) v = _mm512_sub_ps(v, _mm512_set1_ps(ml[i]));
-          _mm512_storeu_ps(y + b * QKK + 128 * h + 32 * j + 16 * c, v);
+          store_values(y + b * QKK + 128 * h + 32 * j + 16 * c, v);
         }
   }
 }
@@ -909,6 +917,10 @@ inline void dequantize_row_bf16(int type, const uint8_t* row, uint16_t* y, int64
     case Q4_K: return dequantize_bf16_q45_k<false>(row, y, K);
     case Q5_K: return dequantize_bf16_q45_k<true>(row, y, K);
     case Q6_K: return dequantize_bf16_q6_k(row, y, K);
+    case Q2_K: return dequantize_q23_k<false>(row, y, K);
+    case Q3_K: return dequantize_q23_k<true>(row, y, K);
+    case IQ4_NL: return dequantize_iq4_nl(row, y, K);
+    case IQ4_XS: return dequantize_iq4_xs(row, y, K);
   }
 #endif
   thread_local std::vector<float> f;
