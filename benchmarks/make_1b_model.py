@@ -5,7 +5,7 @@ with ignore_eos).
 
     python benchmarks/make_1b_model.py OUT_DIR [--llama-cpp-dir DIR] [--hf-only]
 
-Writes OUT_DIR/hf (bfloat16 safetensors, seed 0) and OUT_DIR/model-{BF16,Q8_0,Q4_0,Q4_K_M,Q5_K_M}.gguf, with
+Writes OUT_DIR/hf (bfloat16 safetensors, seed 0) and OUT_DIR/model-{BF16,Q8_0,Q4_0,Q4_K_M,Q5_K_M,IQ4_XS,Q3_K_M,Q2_K}.gguf, with
 DIR/convert_hf_to_gguf.py and DIR/bin/llama-quantize (DIR defaults to ~/.cache/tokenmill/llama.cpp; build
 it with benchmarks/build_llama_cpp.sh). Steps whose output already exists are skipped.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-QUANTS = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M")
+QUANTS = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "IQ4_XS", "Q3_K_M", "Q2_K")
 
 
 def default_llama_cpp_dir() -> Path:

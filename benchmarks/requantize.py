@@ -1,11 +1,11 @@
 """A real model's weights in several formats, for quality comparisons on the same weights: a GGUF file read by
 transformers (weights dequantized to float32) and saved as a Hugging Face folder, then converted to a BF16 GGUF
-and quantized to Q8_0 and Q4_K_M by llama.cpp's own tools.
+and quantized to Q8_0, Q4_K_M, IQ4_XS, Q3_K_M and Q2_K by llama.cpp's own tools.
 
     python benchmarks/requantize.py SRC.gguf OUT_DIR [--llama-cpp-dir DIR]
 
 Writes OUT_DIR/hf (float32 safetensors, the tokenizer, a config without quantization) and
-OUT_DIR/model-{BF16,Q8_0,Q4_K_M}.gguf. Steps whose output exists are skipped. The weights of a quantized SRC
+OUT_DIR/model-{BF16,Q8_0,Q4_K_M,IQ4_XS,Q3_K_M,Q2_K}.gguf. Steps whose output exists are skipped. The weights of a quantized SRC
 already lie on its grid, so requantizing them loses less than quantizing trained float weights would.
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from make_1b_model import default_llama_cpp_dir, run  # noqa: E402
 
-QUANTS = ("Q8_0", "Q4_K_M")
+QUANTS = ("Q8_0", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K")
 
 
 def make_hf(src: Path, folder: Path) -> None:

@@ -17,8 +17,7 @@ TM_INLINE __m512i pick_sub16(int c) {
   return _mm512_add_epi32(k, _mm512_set1_epi32(4 * c));
 }
 
-// A float16 scale in every lane. (Through a scalar conversion the compiler inserted the value into a register
-// still being written by earlier work, which tied each super-block to the one before: half the speed.)
+// A float16 scale in every lane.
 TM_INLINE __m512 fp16_lanes(uint16_t h) { return _mm512_cvtph_ps(_mm256_set1_epi16((short)h)); }
 
 // The 16 scales of a Q3_K super-block (q3_k_scales' values, sub-block order) as signed bytes, built in
@@ -88,8 +87,8 @@ inline void dot_q23_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
                                   _mm256_set1_ps(x[r].per256->d[a0]), mins[r]);
       }
     }
-    // two sums (vectors 0, 2 and 1, 3): the super-block's chain of dependent multiply-adds half as long, so
-    // that the next super-block's products start sooner
+    // two sums (vectors 0, 2 and 1, 3): the super-block's chain of dependent multiply-adds half as long (no
+    // faster here, where the instructions' count bounds it, but not slower either)
     __m512i part[2][R];
     for (int r = 0; r < R; ++r) part[0][r] = isum[r], part[1][r] = _mm512_setzero_si512();
     __m512i hm;
