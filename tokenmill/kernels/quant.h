@@ -351,6 +351,19 @@ TM_INLINE float fp16(uint16_t h) {
 #endif
 }
 
+// fn(dl, codes, at) for each 32-element sub-block of an IQ4_XS row: its scale d sc_j (the reference's float
+// product), its 16 code bytes, and the index of its first element.
+template <typename F>
+inline void iq4_xs_sub_blocks(const uint8_t* row, int64_t K, F&& fn) {
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    const BlockIQ4_XS& x = ((const BlockIQ4_XS*)row)[b];
+    int8_t sc[8];
+    iq4_xs_scales(x, sc);
+    const float d = fp16(x.d);
+    for (int j = 0; j < 8; ++j) fn(d * (float)sc[j], x.qs + 16 * j, b * QKK + 32 * j);
+  }
+}
+
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
 inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
   if (j < 4) {
@@ -427,18 +440,10 @@ inline void dequantize_row_portable(int type, const uint8_t* row, float* y, int6
       break;
     }
     case IQ4_XS:
-      for (int64_t b = 0; b < K / QKK; ++b) {
-        const BlockIQ4_XS& x = ((const BlockIQ4_XS*)row)[b];
-        int8_t sc[8];
-        iq4_xs_scales(x, sc);
-        const float d = fp16(x.d);
-        for (int j = 0; j < 8; ++j) {
-          const float dl = d * (float)sc[j];
-          float* out = y + b * QKK + 32 * j;
-          for (int i = 0; i < 16; ++i)
-            out[i] = dl * (float)kIq4Values[x.qs[16 * j + i] & 0xF], out[16 + i] = dl * (float)kIq4Values[x.qs[16 * j + i] >> 4];
-        }
-      }
+      iq4_xs_sub_blocks(row, K, [&](float dl, const uint8_t* q, int64_t at) {
+        for (int i = 0; i < 16; ++i)
+          y[at + i] = dl * (float)kIq4Values[q[i] & 0xF], y[at + 16 + i] = dl * (float)kIq4Values[q[i] >> 4];
+      });
       break;
     case Q2_K:
     case Q3_K:  // element 128 h + 32 j + l: bits 2j of qs[32 h + l]; Q3_K's third bit, bit 4h + j of hmask[l]
@@ -709,18 +714,12 @@ inline void dequantize_iq4_nl(const uint8_t* row, T* y, int64_t K) {
 template <typename T>
 inline void dequantize_iq4_xs(const uint8_t* row, T* y, int64_t K) {
   const __m128i m4 = _mm_set1_epi8(0xF);
-  for (int64_t b = 0; b < K / QKK; ++b) {
-    const BlockIQ4_XS& x = ((const BlockIQ4_XS*)row)[b];
-    int8_t sc[8];
-    iq4_xs_scales(x, sc);
-    const float d = fp16(x.d);
-    for (int j = 0; j < 8; ++j) {
-      const __m512 dl = _mm512_set1_ps(d * (float)sc[j]);
-      const __m128i q = _mm_loadu_si128((const __m128i*)(x.qs + 16 * j));
-      store_values(y + b * QKK + 32 * j, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(q, m4))));
-      store_values(y + b * QKK + 32 * j + 16, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
-    }
-  }
+  iq4_xs_sub_blocks(row, K, [&](float d, const uint8_t* codes, int64_t at) {
+    const __m512 dl = _mm512_set1_ps(d);
+    const __m128i q = _mm_loadu_si128((const __m128i*)codes);
+    store_values(y + at, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(q, m4))));
+    store_values(y + at + 16, _mm512_mul_ps(dl, iq4_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), m4))));
+  });
 }
 
 // Q2_K and Q3_K: 16 elements (sub-block i = 8h + 2j + c) at a time, with the portable path's operations.
