@@ -263,9 +263,10 @@ def test_a_streaming_server_keeps_its_team_and_reports_a_taken_core(default_gguf
         import httpx
 
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-        # Four answers without a hold, in one of three tries: this machine's own kernel threads (a memory
-        # monitor) now and then take a core for a while, which the governor rightly answers with a hold.
-        # The misreading of the event loop held steps in every try of four answers (1-2 holds each).
+        # Four answers without a hold, in one of three tries: now and then something else on the machine
+        # (most likely the VM's own kernel threads, such as its memory monitor) takes a core for a while,
+        # which the governor rightly answers with a hold. The misreading of the event loop held steps in
+        # every try of four answers (1-2 holds each).
         tries, before = [], {"tokenmill:cpu_one_thread_holds_total": 0.0, "tokenmill:cpu_steps_on_one_thread_total": 0.0}
         for _ in range(3):
             assert all(_stream(server.url, model, 200) >= 200 for _ in range(4))
