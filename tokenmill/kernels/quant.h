@@ -1509,6 +1509,13 @@ inline void dot_q45_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r], zext(off[r]));
 }
 
+// Lanes 4k..4k + 3 of pick_sub16(c) name sub-block 4c + k: the scale lanes of a product vector c of
+// 64 elements in order (Q6_K's, Q3_K's and Q2_K's sub-blocks of 16).
+TM_INLINE __m512i pick_sub16(int c) {
+  const __m512i k = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+  return _mm512_add_epi32(k, _mm512_set1_epi32(4 * c));
+}
+
 // Q6_K: w = d sc_i (q - 32) per 16-element sub-block i, q's 4 low bits in ql and 2 high bits in qh; against
 // inputs with one scale per 256 (QRow::per256, its q, d and sums16). As Q4_K's above, the sub-blocks' byte products
 // (at most 4 * 63 * 127 per lane) times their signed 8-bit scales sum in int32 over the super-block; the
@@ -1518,11 +1525,6 @@ inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(0x33), low16 = _mm512_set1_epi32(0xFFFF);
-  // the scale lanes of each product vector: four lanes (16 values) per sub-block
-  const __m512i pick[4] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                           _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
-                           _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
-                           _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
   for (int64_t b = 0; b < K / QKK; ++b) {
     const BlockQ6_K* blk = (const BlockQ6_K*)(row + b * 210);
     const __m128i sc8 = _mm_loadu_si128((const __m128i*)blk->scales);
@@ -1542,7 +1544,7 @@ inline void dot_q6_k(const uint8_t* row, const QRow* x, int64_t K, float* out) {
       const __m512i hh = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1), m2);
       const __m512i qa = _mm512_ternarylogic_epi32(ql, _mm512_slli_epi16(hh, 4), m4, 0xE4);
       const __m512i qb = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), hh, m4, 0xE4);
-      const __m512i sa = _mm512_permutexvar_epi32(pick[2 * h], sc), sb = _mm512_permutexvar_epi32(pick[2 * h + 1], sc);
+      const __m512i sa = _mm512_permutexvar_epi32(pick_sub16(2 * h), sc), sb = _mm512_permutexvar_epi32(pick_sub16(2 * h + 1), sc);
       const int64_t ab = a0 + 4 * h;  // qa: values 0-63 of this half, qb: 64-127
       for (int r = 0; r < R; ++r) {
         isum[r] = add_scaled(isum[r], dot4(qa, _mm512_loadu_si512((const void*)(x[r].per256->q + ab * QK))), sa);

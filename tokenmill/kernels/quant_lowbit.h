@@ -11,12 +11,6 @@
 // (It has no includes or namespace of its own: quant.h includes it inside namespace tmq.)
 #pragma once
 
-// Lanes 4k..4k + 3 of pick_sub16(c) name sub-block 4c + k: the scale lanes of product vector c.
-TM_INLINE __m512i pick_sub16(int c) {
-  const __m512i k = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
-  return _mm512_add_epi32(k, _mm512_set1_epi32(4 * c));
-}
-
 // A float16 scale in every lane.
 TM_INLINE __m512 fp16_lanes(uint16_t h) { return _mm512_cvtph_ps(_mm256_set1_epi16((short)h)); }
 
@@ -59,8 +53,7 @@ inline void dot_q23_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
     bit[c] = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8((char)(1 << (4 * (c / 2) + 2 * (c % 2)))),
                                      _mm512_set1_epi8((char)(1 << (4 * (c / 2) + 2 * (c % 2) + 1))));
   __m512 acc[R];
-  __m256 mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / QKK; ++b) {
     const uint8_t* blk = row + b * size;
     const uint8_t* qs = THREE ? ((const BlockQ3_K*)blk)->qs : ((const BlockQ2_K*)blk)->qs;
@@ -76,6 +69,7 @@ inline void dot_q23_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
     const __m512i sc = _mm512_and_si512(_mm512_cvtepi8_epi32(scv), low16);  // (scale, 0) as int16 pairs
     const int64_t a0 = b * (QKK / QK);
     __m512i isum[R];
+    __m256 mins[R];  // (Q2_K) its mins times the inputs' sums of 16, times the inputs' scale
     for (int r = 0; r < R; ++r) {
       const __m256i s16 = _mm256_loadu_si256((const __m256i*)(x[r].per256->sums16 + b * 16));
       if constexpr (THREE) {  // - 4 sum_i sc_i (sum of sub-block i's inputs)
@@ -83,14 +77,9 @@ inline void dot_q23_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
         isum[r] = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 2)), 0);
       } else {
         isum[r] = _mm512_setzero_si512();
-        mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, s16)),
-                                  _mm256_set1_ps(x[r].per256->d[a0]), mins[r]);
+        mins[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, s16)), _mm256_set1_ps(x[r].per256->d[a0]));
       }
     }
-    // two sums (vectors 0, 2 and 1, 3): the super-block's chain of dependent multiply-adds half as long (no
-    // faster here, where the instructions' count bounds it, but not slower either)
-    __m512i part[2][R];
-    for (int r = 0; r < R; ++r) part[0][r] = isum[r], part[1][r] = _mm512_setzero_si512();
     __m512i hm;
     if constexpr (THREE) hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)((const BlockQ3_K*)blk)->hmask));
     for (int c = 0; c < 4; ++c) {
@@ -99,18 +88,14 @@ inline void dot_q23_k(const uint8_t* row, const QRow* x, int64_t K, float* out) 
       if constexpr (THREE) u = _mm512_mask_add_epi8(u, _mm512_test_epi8_mask(hm, bit[c]), u, c4);
       const __m512i s = _mm512_permutexvar_epi32(pick_sub16(c), sc);
       for (int r = 0; r < R; ++r)
-        part[c % 2][r] = add_scaled(part[c % 2][r], dot4(u, _mm512_loadu_si512((const void*)(x[r].per256->q + a0 * QK + 64 * c))), s);
+        isum[r] = add_scaled(isum[r], dot4(u, _mm512_loadu_si512((const void*)(x[r].per256->q + a0 * QK + 64 * c))), s);
     }
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(part[0][r], part[1][r]);
     const __m512 d = fp16_lanes(THREE ? ((const BlockQ3_K*)blk)->d : ((const BlockQ2_K*)blk)->d);
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r].per256->d[a0])), acc[r]);
     if constexpr (!THREE) {  // the mins' part, scaled by dmin (per super-block) at the end of each
       const __m512 dmin = fp16_lanes(((const BlockQ2_K*)blk)->dmin);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fnmadd_ps(zext(mins[r]), dmin, acc[r]);
-        mins[r] = _mm256_setzero_ps();
-      }
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(zext(mins[r]), dmin, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
