@@ -34,8 +34,9 @@ def random_blocks(qtype: str, n: int, k: int, rng):
     t = gguf.GGMLQuantizationType[qtype]
     block, nbytes = gguf.GGML_QUANT_SIZES[t]
     data = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
-    if qtype == "Q6_K":  # d last
-        data[..., -2:] = rng.uniform(1e-4, 2e-3, (n, k // block, 1)).astype(np.float16).view(np.uint8)
+    if qtype in ("Q6_K", "Q3_K", "Q2_K"):  # d last (Q2_K: d, dmin)
+        halves = 2 if qtype == "Q2_K" else 1
+        data[..., -2 * halves:] = rng.uniform(1e-4, 2e-3, (n, k // block, halves)).astype(np.float16).view(np.uint8)
     else:  # d (and the offset or dmin) first
         halves = 2 if qtype in ("Q4_1", "Q4_K") else 1
         data[..., :2 * halves] = rng.uniform(1e-4, 2e-3, (n, k // block, halves)).astype(np.float16).view(np.uint8)

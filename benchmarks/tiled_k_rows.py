@@ -1,11 +1,11 @@
-"""Q4_K, Q5_K and Q6_K matrices in the two layouts of the engine (kernels/quant.h's rows, kernels/quant_tiles.h's
-tiles of 16 rows), the same random blocks, in one process: the byte products of 1-16 input rows (a decode,
-verify or batched step) and a prompt chunk's product through dequantized weights (bfloat16 inputs), each
-pair timed alternately, medians of the per-round ratios. Shapes: a 1B Llama's (hidden 2048, MLP 8192; its
-ffn_gate also as Q5_K, as a Q5_K_M file holds it) and Gemma 3 270M's K-format matrices (Q4_K attn_output
-640 x 1024, Q6_K ffn_down 640 x 2048).
+"""K-format matrices (Q4_K, Q5_K, Q6_K; Q2_K, Q3_K, IQ4_XS) in the two layouts of the engine (kernels/quant.h's
+rows, kernels/quant_tiles.h's tiles of 16 rows), the same random blocks, in one process: the byte products of
+1-16 input rows (a decode, verify or batched step) and a prompt chunk's product through dequantized weights
+(bfloat16 inputs), each pair timed alternately, medians of the per-round ratios. Shapes: a 1B Llama's (hidden
+2048, MLP 8192; its ffn_gate also as Q5_K, as a Q5_K_M file holds it, and as Q3_K, Q2_K and IQ4_XS) and
+Gemma 3 270M's K-format matrices (Q4_K attn_output 640 x 1024, Q6_K ffn_down 640 x 2048).
 
-    python benchmarks/tiled_k_rows.py [--inputs 1 2 4 8 16] [--threads 1 2] [--seconds 3]
+    python benchmarks/tiled_k_rows.py [--inputs 1 2 4 8 16] [--threads 1 2] [--seconds 3] [--types Q3_K ...]
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SHAPES = [("1B ffn_gate", "Q4_K", 8192, 2048), ("1B ffn_gate", "Q5_K", 8192, 2048), ("1B ffn_down", "Q6_K", 2048, 8192),
           ("1B attn_q", "Q4_K", 2048, 2048),
-          ("Gemma attn_output", "Q4_K", 640, 1024), ("Gemma ffn_down", "Q6_K", 640, 2048)]
+          ("Gemma attn_output", "Q4_K", 640, 1024), ("Gemma ffn_down", "Q6_K", 640, 2048),
+          ("1B ffn_gate", "Q3_K", 8192, 2048), ("1B ffn_gate", "Q2_K", 8192, 2048), ("1B ffn_gate", "IQ4_XS", 8192, 2048)]
+
+
 def main() -> None:
     import numpy as np
     import torch
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="rows of the prompt chunk (dequantized path)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--seconds", type=float, default=3.0, help="per product: seconds of alternated rounds")
+    ap.add_argument("--types", nargs="+", help="only these formats (default: every shape above)")
     args = ap.parse_args()
     m = quant.load()
     if m is None or not m.vnni:
@@ -42,6 +46,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{'matrix':18s} {'type':5s} {'rows':>5s} {'threads':>7s}   row layout -> tiles (median ratio)")
     for name, qtype, n, k in SHAPES:
+        if args.types and qtype not in args.types:
+            continue
         code, data = random_blocks(qtype, n, k, rng)
         blocks = torch.from_numpy(data)
         layouts = {"rows": (m.repack(blocks, code, k), code), "tiles": (m.repack(blocks, code | quant.TILED, k), code | quant.TILED)}

@@ -11,8 +11,8 @@ from tokenmill.kernels import quant  # noqa: E402
 from tests.test_quant_kernels import kernels, quantized_activation, random_blocks  # noqa: E402,F401
 
 T = gguf.GGMLQuantizationType
-TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
+TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS]
+K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS)
 
 
 def shapes(qtype) -> list[tuple[int, int]]:
@@ -163,8 +163,9 @@ def test_a_prompt_row_s_product_does_not_depend_on_the_chunk(kernels, qtype):
 
 
 def test_which_matrices_are_tiled():
-    """Whole tiles of a format with a tile kernel, where the CPU has VNNI (and no AMX); a stacked expert
-    tensor only where each expert's rows are whole tiles; none after set_tiles(False)."""
+    """Whole tiles of a format with a tile kernel, where the CPU has VNNI (and no AMX, for the formats AMX
+    multiplies); a stacked expert tensor only where each expert's rows are whole tiles; none after
+    set_tiles(False)."""
     m = quant.load()
     if m is None:
         pytest.skip("the quantized-weight kernels could not be built here")
@@ -179,6 +180,9 @@ def test_which_matrices_are_tiled():
     assert quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled == expect
     q5 = random_blocks(T.Q5_K, 16, 256, rng)
     assert quant.QuantizedWeight.from_blocks(13, (16, 256), torch.from_numpy(q5)).tiled == expect
+    for low in (T.Q2_K, T.Q3_K, T.IQ4_XS):  # (no AMX path: tiled on AMX CPUs too)
+        data_low = random_blocks(low, 16, 256, rng)
+        assert quant.QuantizedWeight.from_blocks(int(low), (16, 256), torch.from_numpy(data_low)).tiled == bool(m.vnni)
     mx = random_blocks(T.MXFP4, 16, 256, rng)  # (no tile kernel)
     assert not quant.QuantizedWeight.from_blocks(39, (16, 256), torch.from_numpy(mx)).tiled
     quant.set_tiles(False)

@@ -32,7 +32,8 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
 # products of a few input rows where the CPU has AVX-512 VNNI. TOKENMILL_QUANT_TILES=0 keeps every matrix in
 # the row layout (to compare the two).
 TILED = 256
-_TILE_FORMATS = (2, 3, 6, 7, 8, 12, 13, 14)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+_TILE_FORMATS = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 23)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_XS
+_AMX_FORMATS = (2, 3, 6, 7, 8, 12, 13, 14)  # those whose rows AMX's panels read (quant_amx.h's amx_format)
 _tiles = os.environ.get("TOKENMILL_QUANT_TILES", "1") != "0"
 
 _module = None
@@ -161,10 +162,11 @@ def set_tiles(on: bool) -> None:
 
 def tiles_for(qtype: int, rows: int) -> bool:
     """Whether a matrix of `rows` rows in GGUF format `qtype` is stored in tiles of 16 rows: where its format
-    has a tile kernel, its rows are whole tiles, and the kernels take AVX-512 VNNI without AMX (AMX's
-    panels of 16 and more input rows read the row layout)."""
+    has a tile kernel, its rows are whole tiles, and the kernels take AVX-512 VNNI; on CPUs with AMX only
+    the formats AMX does not multiply (its panels of 16 and more input rows read the row layout)."""
     m = load()
-    return (_tiles and qtype in _TILE_FORMATS and rows % 16 == 0 and m is not None and m.vnni and not m.amx)
+    return (_tiles and qtype in _TILE_FORMATS and rows % 16 == 0 and m is not None and m.vnni
+            and not (m.amx and qtype in _AMX_FORMATS))
 
 
 def type_name(qtype: int) -> str:

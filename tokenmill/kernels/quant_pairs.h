@@ -141,6 +141,17 @@ TM_INLINE void q6_k_pairs(const uint8_t* blk, uint32_t* out) {
       }
 }
 
+// Q2_K, Q3_K and IQ4_XS: a super-block's 16 rows dequantized to bfloat16 as the row layout has them
+// (dequantize_k_tile), then put in pairs: a 16 x 16 transpose of 32-bit words for each 16 pairs.
+TM_INLINE void k_tile_pairs(int base, const uint8_t* blk, uint32_t* out) {
+  alignas(64) uint16_t rows[kTileRows * QKK];
+  dequantize_k_tile(base, blk, 1, rows, QKK);
+  const uint32_t* w = (const uint32_t*)rows;
+  for (int p0 = 0; p0 < QKK / 2; p0 += 16)
+    for (int p = p0; p < p0 + 16; ++p)
+      for (int j = 0; j < kTileRows; ++j) out[16 * p + j] = w[j * (QKK / 2) + p];
+}
+
 // A tile's 16 rows of K values as bfloat16 pairs: pair p (elements 2p, 2p + 1) of row j at out[16 p + j].
 inline void tile_pairs(int base, const uint8_t* tile, int64_t K, uint32_t* out) {
   const int64_t nb = tile_blocks(base, K), block = tile_block_bytes(base), per = gguf_block(base).block * 8;
@@ -157,7 +168,8 @@ inline void tile_pairs(int base, const uint8_t* tile, int64_t K, uint32_t* out) 
       case Q5_1: block_pairs<Q5_1>(blk, o); break;
       case Q4_K: q45_k_pairs<false>(blk, o); break;
       case Q5_K: q45_k_pairs<true>(blk, o); break;
-      default: q6_k_pairs(blk, o); break;
+      case Q6_K: q6_k_pairs(blk, o); break;
+      default: k_tile_pairs(base, blk, o); break;
     }
   }
 }

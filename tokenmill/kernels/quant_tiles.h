@@ -1,4 +1,4 @@
-// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks,
+// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K and IQ4_XS blocks,
 // for the byte products of a few input rows (decode, speculative verify steps, small batches).
 //
 // In the row layout (quant.h) a vector's 16 int32 lanes are 16 blocks of one weight row: each pair of weight
@@ -17,6 +17,9 @@
 //   Q5_K  as Q4_K, with [8 x 64 bytes: the fifth bits' words (qh)] between the scales and the codes
 //   Q6_K  [32 x 64 bytes: ql words] [16 x 64 bytes: qh words] [4 x 64 bytes: the 16 int8 scales' words]
 //         [16 float16 d]
+//   Q2_K  [16 float16 d] [16 float16 dmin] [4 x 64 bytes: scale-and-min words] [16 x 64 bytes: qs words]
+//   Q3_K  [16 float16 d] [3 x 64 bytes: packed scale words] [8 x 64 bytes: hmask words] [16 x 64 bytes: qs words]
+//   IQ4_XS [16 float16 d] [16 x 2 bytes: scales_h] [16 x 4 bytes: scales_l] [32 x 64 bytes: qs words]
 // The
 // tile holds the same bytes as its 16 rows of GGUF blocks: a matrix keeps its size, and rows [16t, 16t + 16)
 // keep their byte range. An input row's 4-byte word is broadcast to every lane: one vpdpbusd takes 4 values
@@ -31,6 +34,7 @@
 #pragma once
 
 #include <iterator>
+#include <utility>
 
 #include "quant.h"
 
@@ -41,11 +45,12 @@ constexpr int kTileRows = 16;
 
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int base_type(int type) { return type & ~kTiled; }
-inline bool can_tile(int type) {
-  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q5_K ||
-         type == Q6_K;
+inline bool k_format(int base) {
+  return base == Q4_K || base == Q5_K || base == Q6_K || base == Q2_K || base == Q3_K || base == IQ4_XS;
 }
-inline bool k_format(int base) { return base == Q4_K || base == Q5_K || base == Q6_K; }
+inline bool can_tile(int type) {
+  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || k_format(type);
+}
 // A format's GGUF block (quant.h's format_of: elements and bytes), a row's blocks, and a tile's block (16 rows).
 inline Format gguf_block(int base) {
   Format f{};
@@ -92,7 +97,16 @@ constexpr int kQ6KHigh = 2048, kQ6KScales = 3072, kQ6KD = 3328;  // Q6_K: ql at 
 constexpr KField kQ4KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, kQ4KScales}, {16, 128, kQ4KCodes}};
 constexpr KField kQ5KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, kQ4KScales}, {16, 32, kQ5KHigh}, {48, 128, kQ5KCodes}};
 constexpr KField kQ6KFields[] = {{0, 128, 0}, {128, 64, kQ6KHigh}, {192, 16, kQ6KScales}, {208, 2, kQ6KD}};
-constexpr int kMaxKBlockBytes = sizeof(BlockQ6_K);  // the largest of the three GGUF blocks
+// Q2_K: [16 float16 d] [16 float16 dmin] [4 x 64 bytes: the 16 scale-and-min bytes' words] [16 x 64: qs words]
+constexpr int kQ2KScales = 64, kQ2KCodes = 320;
+constexpr KField kQ2KFields[] = {{80, 2, 0}, {82, 2, 32}, {0, 16, kQ2KScales}, {16, 64, kQ2KCodes}};
+// Q3_K: [16 float16 d] [3 x 64 bytes: the 12 packed scale bytes' words] [8 x 64: hmask words] [16 x 64: qs words]
+constexpr int kQ3KScales = 32, kQ3KHigh = 224, kQ3KCodes = 736;
+constexpr KField kQ3KFields[] = {{108, 2, 0}, {96, 12, kQ3KScales}, {0, 32, kQ3KHigh}, {32, 64, kQ3KCodes}};
+// IQ4_XS: [16 float16 d] [16 x 2 bytes: scales_h] [16 x 4 bytes: scales_l] [32 x 64 bytes: qs words]
+constexpr int kIQ4XSHigh = 32, kIQ4XSLow = 64, kIQ4XSCodes = 128;
+constexpr KField kIQ4XSFields[] = {{0, 2, 0}, {2, 2, kIQ4XSHigh}, {4, 4, kIQ4XSLow}, {8, 128, kIQ4XSCodes}};
+constexpr int kMaxKBlockBytes = sizeof(BlockQ6_K);  // the largest of the K formats' GGUF blocks
 
 // A K format's fields.
 struct KFields {
@@ -101,9 +115,14 @@ struct KFields {
   const KField *first, *last;
 };
 inline KFields k_fields_of(int base) {
-  if (base == Q4_K) return {std::begin(kQ4KFields), std::end(kQ4KFields)};
-  if (base == Q5_K) return {std::begin(kQ5KFields), std::end(kQ5KFields)};
-  return {std::begin(kQ6KFields), std::end(kQ6KFields)};
+  switch (base) {
+    case Q4_K: return {std::begin(kQ4KFields), std::end(kQ4KFields)};
+    case Q5_K: return {std::begin(kQ5KFields), std::end(kQ5KFields)};
+    case Q2_K: return {std::begin(kQ2KFields), std::end(kQ2KFields)};
+    case Q3_K: return {std::begin(kQ3KFields), std::end(kQ3KFields)};
+    case IQ4_XS: return {std::begin(kIQ4XSFields), std::end(kIQ4XSFields)};
+    default: return {std::begin(kQ6KFields), std::end(kQ6KFields)};
+  }
 }
 
 // Copies a K-format super-block's fields from one side to the other: row j's GGUF block to its tile block
@@ -506,6 +525,149 @@ TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x,
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
+
+// Calls f(std::integral_constant<int, I>()) for I = 0 .. N - 1, written out: the shifts inside f then take
+// their counts as constants (a loop the compiler kept measured up to 3x slower).
+template <int N, typename F, int... I>
+TM_INLINE void each_constant(const F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>()), ...);
+}
+template <int N, typename F>
+TM_INLINE void each_constant(const F& f) {
+  each_constant<N>(f, std::make_integer_sequence<int, N>());
+}
+
+// Q2_K (Q3_K with THREE), 16 rows a lane each: w = d sc_s q - dmin m_s (Q3_K: d sc_s q) in sub-block s (16
+// elements) of a super-block. Element 128h + 32j + 4u + i (u < 8, i < 4) has its 2 low bits at bits 2j of
+// byte i of qs word 8h + u, Q3_K's third bit at bit 4h + j of byte i of hmask word u (set: q = the low bits,
+// clear: the low bits less 4). The codes go in as u = low bits (Q3_K: | third bit << 2, so q + 4); a lane's
+// sub-block sum of u x (Q3_K less 4 times the inputs' sum there) times its scale sums in int32 over the
+// super-block, Q2_K's mins times the inputs' sums of 16 in 16-bit pairs alike; then one float multiply each.
+template <int R, bool THREE, typename Ahead>
+TM_INLINE void tile_product_q23_k(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
+  constexpr int64_t block = kTileRows * (THREE ? 110 : 84);
+  constexpr int codes_at = THREE ? kQ3KCodes : kQ2KCodes;
+  const __m512i m2 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4), m4 = _mm512_set1_epi32(0xF);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead(block);
+    const uint8_t* blk = tile + b * block;
+    const int32_t* xw[R];
+    const int16_t* s16[R];
+    __m512i isum[R], imin[R];
+    for (int r = 0; r < R; ++r) {
+      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
+      s16[r] = x[r].per256->sums16 + b * 16;
+      isum[r] = imin[r] = _mm512_setzero_si512();
+    }
+    __m512i sw[4];  // the scale words: Q2_K's 4 (byte s: sub-block s's scale, low nibble, and min), Q3_K's 3
+    for (int w = 0; w < (THREE ? 3 : 4); ++w) sw[w] = _mm512_loadu_si512(blk + (THREE ? kQ3KScales : kQ2KScales) + 64 * w);
+    if constexpr (!THREE) {
+      // Mins in 16-bit pairs (m_2p, m_2p+1): half p % 2 of word p / 2, its bytes' high nibbles; each pair times
+      // the inputs' sums of 16 over sub-blocks 2p, 2p + 1 (an int32 word of sums16) in one multiply-add.
+      each_constant<8>([&](auto pc) {
+        constexpr int p = decltype(pc)::value, at = 16 * (p % 2);
+        const __m512i v = sw[p / 2];
+        const __m512i pair = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v, at + 4), m4),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, at + 12), m4), 16));
+        for (int r = 0; r < R; ++r) {
+          int32_t sp;
+          std::memcpy(&sp, s16[r] + 2 * p, 4);
+          imin[r] = _mm512_dpwssd_epi32(imin[r], pair, _mm512_set1_epi32(sp));
+        }
+      });
+    }
+    // Sub-blocks 8h + 2j and 8h + 2j + 1: qs words 8h + u (u < 4, then 4 .. 7).
+    each_constant<8>([&](auto hj) {
+      constexpr int h = decltype(hj)::value / 4, j = decltype(hj)::value % 4;
+      for (int half = 0; half < 2; ++half) {
+        const int sb = 8 * h + 2 * j + half;
+        __m512i sc;  // sub-block sb's scale, a lane per row
+        if constexpr (THREE) {
+          // low 4 bits: nibble sb / 8 of byte sb % 8; top 2: bits 2 (sb / 4) of byte 8 + sb % 4; less 32
+          const int lw = (sb % 8) / 4, ls = 8 * (sb % 4) + 4 * (sb / 8), hs = 8 * (sb % 4) + 2 * (sb / 4);
+          const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(sw[lw], ls), m4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(sw[2], hs), _mm512_set1_epi32(3));
+          sc = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+        } else {
+          sc = _mm512_and_si512(_mm512_srli_epi32(sw[sb / 4], 8 * (sb % 4)), m4);
+        }
+        __m512i s[R];
+        for (int r = 0; r < R; ++r) s[r] = THREE ? _mm512_set1_epi32(-4 * (int)s16[r][sb]) : _mm512_setzero_si512();
+        for (int u = 4 * half; u < 4 * half + 4; ++u) {
+          __m512i c = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(blk + codes_at + 64 * (8 * h + u)), 2 * j), m2);
+          if constexpr (THREE) {
+            const __m512i hm = _mm512_loadu_si512(blk + kQ3KHigh + 64 * u);
+            constexpr int bit = 4 * h + j;  // -> bit 2 of each byte
+            const __m512i hb = bit >= 2 ? _mm512_srli_epi32(hm, bit - 2) : _mm512_slli_epi32(hm, 2 - bit);
+            c = _mm512_ternarylogic_epi32(c, hb, b2, 0xF8);  // c | (hb & 4)
+          }
+          for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], c, _mm512_set1_epi32(xw[r][32 * h + 8 * j + u]));
+        }
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(s[r], sc));
+      }
+    });
+    const __m512 d = half_lanes(blk);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x[r].per256->d[b * (QKK / QK)]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dx), acc[r]);
+      if constexpr (!THREE) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(half_lanes(blk + 32), dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+// IQ4_XS, 16 rows a lane each: w = d sc_j v in sub-block j (32 elements), v = kIq4Values[code], sc_j the 6-bit
+// scale less 32 (its low 4 bits nibble j of the scales_l word, its top 2 at bits 2j of scales_h). qs word 4j + u
+// holds elements 32j + 4u + i in its bytes' low nibbles and 32j + 16 + 4u + i in their high ones. A byte shuffle
+// names u = v + 128 (1 .. 241, unsigned); a lane's sub-block sum of u x less 128 times the inputs' sum there
+// (below 2^21 in size) times sc_j sums in int32 over the super-block, then takes one float multiply.
+template <int R, typename Ahead>
+TM_INLINE void tile_product_iq4_xs(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
+  constexpr int64_t block = kTileRows * 136;
+  const __m512i m4 = _mm512_set1_epi8(0xF), m4w = _mm512_set1_epi32(0xF);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i*)kIq4Values), _mm_set1_epi8(-128)));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead(block);
+    const uint8_t* blk = tile + b * block;
+    const __m512i sl = _mm512_loadu_si512(blk + kIQ4XSLow);
+    const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(blk + kIQ4XSHigh)));
+    const int32_t* xw[R];
+    const int16_t* s16[R];
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) {
+      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
+      s16[r] = x[r].per256->sums16 + b * 16;
+      isum[r] = _mm512_setzero_si512();
+    }
+    each_constant<8>([&](auto jc) {
+      constexpr int j = decltype(jc)::value;
+      const __m512i sc = _mm512_sub_epi32(
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(sl, 4 * j), m4w),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(sh, 2 * j), _mm512_set1_epi32(3)), 4)),
+          _mm512_set1_epi32(32));
+      __m512i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(-128 * ((int)s16[r][2 * j] + (int)s16[r][2 * j + 1]));
+      for (int u = 0; u < 4; ++u) {
+        const __m512i v = _mm512_loadu_si512(blk + kIQ4XSCodes + 64 * (4 * j + u));
+        const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+        const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xw[r][8 * j + u]));
+          s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(xw[r][8 * j + 4 + u]));
+        }
+      }
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(s[r], sc));
+    });
+    const __m512 d = half_lanes(blk);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r].per256->d[b * (QKK / QK)])), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
 #endif
 
 // The portable reference of tile_product: the same sums, lane by lane (not used where VNNI is: quant.py tiles
@@ -556,7 +718,40 @@ inline void tile_product_k_portable(int base, const uint8_t* tile, int64_t nb, c
         const float dx = x[r].per256->d[b * (QKK / QK)];
         int32_t isum = 0, imin = 0;
         uint16_t h;
-        if (base != Q6_K) {
+        if (base == Q2_K || base == Q3_K) {
+          const bool three = base == Q3_K;
+          int8_t sc3[16];
+          if (three) q3_k_scales(row + 96, sc3);
+          for (int sb = 0; sb < 16; ++sb) {  // element e = 16 sb + l = 128 h + 32 j + (l' < 32)
+            int dot = three ? -4 * s16[sb] : 0;
+            for (int l = 0; l < 16; ++l) {
+              const int e = 16 * sb + l, hh = e / 128, j = (e % 128) / 32, ll = e % 32;
+              int c = (row[(three ? 32 : 16) + 32 * hh + ll] >> (2 * j)) & 3;
+              if (three) c |= ((row[ll] >> (4 * hh + j)) & 1) << 2;
+              dot += c * xq[e];
+            }
+            isum += (three ? (int)sc3[sb] : (row[sb] & 0xF)) * dot;
+            if (!three) imin += (row[sb] >> 4) * s16[sb];
+          }
+          std::memcpy(&h, row + (three ? 108 : 80), 2);
+          acc = std::fma((float)isum, fp16(h) * dx, acc);
+          if (!three) {
+            std::memcpy(&h, row + 82, 2);
+            acc = std::fma(-(float)imin, fp16(h) * dx, acc);
+          }
+        } else if (base == IQ4_XS) {
+          BlockIQ4_XS blk;
+          std::memcpy(&blk, row, sizeof blk);
+          int8_t sc[8];
+          iq4_xs_scales(blk, sc);
+          for (int sb = 0; sb < 8; ++sb) {
+            int dot = 0;
+            for (int l = 0; l < 16; ++l)
+              dot += kIq4Values[blk.qs[16 * sb + l] & 0xF] * xq[32 * sb + l] + kIq4Values[blk.qs[16 * sb + l] >> 4] * xq[32 * sb + 16 + l];
+            isum += sc[sb] * dot;
+          }
+          acc = std::fma((float)isum, fp16(blk.d) * dx, acc);
+        } else if (base != Q6_K) {
           const bool five = base == Q5_K;
           const uint8_t* qs = row + (five ? 48 : 16);
           for (int sb = 0; sb < 8; ++sb) {  // sub-block sb: chunk sb / 2's low (even) or high (odd) nibbles
@@ -603,6 +798,9 @@ inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, 
       case Q4_K: return tile_product_q45_k<R, false>(tile, nb, x, out, ahead);
       case Q5_K: return tile_product_q45_k<R, true>(tile, nb, x, out, ahead);
       case Q6_K: return tile_product_q6_k<R>(tile, nb, x, out, ahead);
+      case Q2_K: return tile_product_q23_k<R, false>(tile, nb, x, out, ahead);
+      case Q3_K: return tile_product_q23_k<R, true>(tile, nb, x, out, ahead);
+      case IQ4_XS: return tile_product_iq4_xs<R>(tile, nb, x, out, ahead);
       case Q8_0: return tile_product<R, Q8_0>(tile, nb, x, out, ahead);
       case Q4_0: return tile_product<R, Q4_0>(tile, nb, x, out, ahead);
       case Q4_1: return tile_product<R, Q4_1>(tile, nb, x, out, ahead);
