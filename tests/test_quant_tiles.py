@@ -11,7 +11,7 @@ from tokenmill.kernels import quant  # noqa: E402
 from tests.test_quant_kernels import kernels, quantized_activation, random_blocks  # noqa: E402,F401
 
 T = gguf.GGMLQuantizationType
-TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS]
+TILE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL]
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS)
 
 
@@ -180,7 +180,7 @@ def test_which_matrices_are_tiled():
     assert quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled == expect
     q5 = random_blocks(T.Q5_K, 16, 256, rng)
     assert quant.QuantizedWeight.from_blocks(13, (16, 256), torch.from_numpy(q5)).tiled == expect
-    for low in (T.Q2_K, T.Q3_K, T.IQ4_XS):  # (no AMX path: tiled on AMX CPUs too)
+    for low in (T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL):  # (no AMX path: tiled on AMX CPUs too)
         data_low = random_blocks(low, 16, 256, rng)
         assert quant.QuantizedWeight.from_blocks(int(low), (16, 256), torch.from_numpy(data_low)).tiled == bool(m.vnni)
     mx = random_blocks(T.MXFP4, 16, 256, rng)  # (no tile kernel)

@@ -32,7 +32,7 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
 # products of a few input rows where the CPU has AVX-512 VNNI. TOKENMILL_QUANT_TILES=0 keeps every matrix in
 # the row layout (to compare the two).
 TILED = 256
-_TILE_FORMATS = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 23)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_XS
+_TILE_FORMATS = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS
 _AMX_FORMATS = (2, 3, 6, 7, 8, 12, 13, 14)  # those whose rows AMX's panels read (quant_amx.h's amx_format)
 _tiles = os.environ.get("TOKENMILL_QUANT_TILES", "1") != "0"
 

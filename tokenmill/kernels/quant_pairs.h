@@ -79,8 +79,10 @@ TM_INLINE void block_pairs(const uint8_t* blk, uint32_t* out) {
     }
     return;
   }
-  constexpr bool five = BASE == Q5_0 || BASE == Q5_1, has_min = BASE == Q4_1 || BASE == Q5_1;
+  constexpr bool five = BASE == Q5_0 || BASE == Q5_1, has_min = BASE == Q4_1 || BASE == Q5_1, nl = BASE == IQ4_NL;
   const __m512 offset = has_min ? half_lanes(blk + f.m) : _mm512_mul_ps(d, _mm512_set1_ps(five ? -16.f : -8.f));
+  // IQ4_NL: a code's table value as an int32 lane (d v, as the row layout has it)
+  const __m512i table = nl ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)kIq4Values)) : _mm512_setzero_si512();
   const __m512i h = five ? _mm512_loadu_si512(blk + f.h) : _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
   for (int t = 0; t < 4; ++t) {  // word t: byte i holds element 4t + i (low nibble) and 4t + i + 16 (high)
     const __m512i v = _mm512_loadu_si512(blk + f.codes + 64 * t);
@@ -90,8 +92,10 @@ TM_INLINE void block_pairs(const uint8_t* blk, uint32_t* out) {
         q[i] = lane_nibble(v, 2 * i + half);
         if (five)  // the fifth bit of element e = 16 half + 4t + i: bit e of the row's qh
           q[i] = _mm512_or_si512(q[i], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 16 * half + 4 * t + i), one), 4));
+        if (nl) q[i] = _mm512_permutexvar_epi32(q[i], table);
       }
-      pair_values(q, d, offset, out + 16 * (8 * half + 2 * t));
+      if (nl) pair_values<false>(q, d, d, out + 16 * (8 * half + 2 * t));
+      else pair_values(q, d, offset, out + 16 * (8 * half + 2 * t));
     }
   }
 }
@@ -166,6 +170,7 @@ inline void tile_pairs(int base, const uint8_t* tile, int64_t K, uint32_t* out) 
       case Q4_1: block_pairs<Q4_1>(blk, o); break;
       case Q5_0: block_pairs<Q5_0>(blk, o); break;
       case Q5_1: block_pairs<Q5_1>(blk, o); break;
+      case IQ4_NL: block_pairs<IQ4_NL>(blk, o); break;
       case Q4_K: q45_k_pairs<false>(blk, o); break;
       case Q5_K: q45_k_pairs<true>(blk, o); break;
       case Q6_K: q6_k_pairs(blk, o); break;

@@ -49,7 +49,7 @@ inline bool k_format(int base) {
   return base == Q4_K || base == Q5_K || base == Q6_K || base == Q2_K || base == Q3_K || base == IQ4_XS;
 }
 inline bool can_tile(int type) {
-  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || k_format(type);
+  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == IQ4_NL || k_format(type);
 }
 // A format's GGUF block (quant.h's format_of: elements and bytes), a row's blocks, and a tile's block (16 rows).
 inline Format gguf_block(int base) {
@@ -78,7 +78,7 @@ struct TileFormat {
 };
 constexpr TileFormat tile_format(int base) {
   return base == Q8_0   ? TileFormat{34, -1, -1, 32, 32}
-         : base == Q4_0 ? TileFormat{18, -1, -1, 32, 16}
+         : base == Q4_0 || base == IQ4_NL ? TileFormat{18, -1, -1, 32, 16}  // (IQ4_NL: Q4_0's block, table codes)
          : base == Q4_1 ? TileFormat{20, 32, -1, 64, 16}
          : base == Q5_0 ? TileFormat{22, -1, 32, 96, 16}
                         : TileFormat{24, 32, 64, 128, 16};  // Q5_1
@@ -287,6 +287,15 @@ inline void dequantize_tile(int type, const uint8_t* tile, int64_t K, T* y, int6
     dequantize_k_tile(base, tile, nb, y, ldy);
     return;
   }
+  if (base == IQ4_NL) {  // (rows rebuilt one at a time: a float32 prompt's path, or a CPU without AVX-512 BF16)
+    std::vector<uint8_t> buf;
+    for (int j = 0; j < kTileRows; ++j) {
+      const uint8_t* row = row_layout(type, tile, nb * tile_block_bytes(base) / kTileRows, j, K, buf);
+      if constexpr (std::is_same_v<T, float>) dequantize_row(base, row, y + j * ldy, K);
+      else dequantize_row_bf16(base, row, y + j * ldy, K);
+    }
+    return;
+  }
   const TileFormat f = tile_format(base);
   const int64_t block = tile_block_bytes(base);
   for (int64_t b = 0; b < nb; ++b) {
@@ -351,8 +360,11 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
   const __m512i spread = _mm512_load_si512(kFifthBitBytes);
   const __m512i m4 = _mm512_set1_epi8(0xF);
   // The codes' bias, through the inputs' block sums s = dx sum(x): Q8_0's codes are q + 128, Q4_0's q + 8 and
-  // Q5_0's q + 16 (w = d (c - bias)); Q4_1's and Q5_1's w = d c + m.
-  constexpr float bias = BASE == Q8_0 ? -128.f : five ? -16.f : -8.f;
+  // Q5_0's q + 16 (w = d (c - bias)); Q4_1's and Q5_1's w = d c + m. IQ4_NL's name v + 128 by a byte shuffle.
+  constexpr bool nl = BASE == IQ4_NL;
+  constexpr float bias = BASE == Q8_0 || nl ? -128.f : five ? -16.f : -8.f;
+  __m512i table = _mm512_setzero_si512();
+  if constexpr (nl) table = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i*)kIq4Values), _mm_set1_epi8(-128)));
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -374,6 +386,7 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
       } else {
         const __m512i v = _mm512_loadu_si512(w + 64 * t);
         c0 = _mm512_and_si512(v, m4), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), i0 = t, i1 = 4 + t;
+        if constexpr (nl) c0 = _mm512_shuffle_epi8(table, c0), c1 = _mm512_shuffle_epi8(table, c1);
         if constexpr (five) {
           c0 = _mm512_or_si512(c0, _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 4 * t), spread));
           c1 = _mm512_or_si512(c1, _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 16 + 4 * t), spread));
@@ -675,7 +688,7 @@ TM_INLINE void tile_product_iq4_xs(const uint8_t* tile, int64_t nb, const QRow* 
 inline void tile_product_portable(int base, const uint8_t* tile, int64_t nb, const QRow* x, int g, float* out) {
   const TileFormat f = tile_format(base);
   const int64_t block = tile_block_bytes(base);
-  const float bias = base == Q8_0 ? -128.f : f.h >= 0 ? -16.f : -8.f;
+  const float bias = base == Q8_0 || base == IQ4_NL ? -128.f : f.h >= 0 ? -16.f : -8.f;
   for (int r = 0; r < g; ++r)
     for (int j = 0; j < kTileRows; ++j) {
       float acc = 0.f, off = 0.f;
@@ -690,6 +703,7 @@ inline void tile_product_portable(int base, const uint8_t* tile, int64_t nb, con
           int c;
           if (base == Q8_0) c = w[64 * (i / 4) + 4 * j + i % 4];
           else c = ((w[64 * ((i % 16) / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 0xF) | (((qh >> i) & 1) << 4);
+          if (base == IQ4_NL) c = kIq4Values[c] + 128;
           sum += c * xq[i];
         }
         uint16_t dh, mh;
@@ -805,6 +819,7 @@ inline void tile_rows(int type, const uint8_t* tile, int64_t nb, const QRow* x, 
       case Q4_0: return tile_product<R, Q4_0>(tile, nb, x, out, ahead);
       case Q4_1: return tile_product<R, Q4_1>(tile, nb, x, out, ahead);
       case Q5_0: return tile_product<R, Q5_0>(tile, nb, x, out, ahead);
+      case IQ4_NL: return tile_product<R, IQ4_NL>(tile, nb, x, out, ahead);
       default: return tile_product<R, Q5_1>(tile, nb, x, out, ahead);
     }
   };
