@@ -163,26 +163,23 @@ def test_a_prompt_row_s_product_does_not_depend_on_the_chunk(kernels, qtype):
 
 
 def test_which_matrices_are_tiled():
-    """Whole tiles of a format with a tile kernel, where the CPU has VNNI (and no AMX, for the formats AMX
-    multiplies); a stacked expert tensor only where each expert's rows are whole tiles; none after
-    set_tiles(False)."""
+    """Whole tiles of a format with a tile kernel, where the CPU has VNNI (Q6_K only where it has no AMX); a
+    stacked expert tensor only where each expert's rows are whole tiles; none after set_tiles(False)."""
     m = quant.load()
     if m is None:
         pytest.skip("the quantized-weight kernels could not be built here")
     rng = np.random.default_rng(1)
     data = random_blocks(T.Q8_0, 48, 64, rng)
-    expect = bool(m.vnni and not m.amx)
+    expect = bool(m.vnni)
     assert quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data)).tiled == expect
     assert not quant.QuantizedWeight.from_blocks(8, (40, 64), torch.from_numpy(data[:40])).tiled
     assert not quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=24).tiled
     assert quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=16).tiled == expect
     q6 = random_blocks(T.Q6_K, 16, 256, rng)
-    assert quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled == expect
-    q5 = random_blocks(T.Q5_K, 16, 256, rng)
-    assert quant.QuantizedWeight.from_blocks(13, (16, 256), torch.from_numpy(q5)).tiled == expect
-    for low in (T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL):  # (no AMX path: tiled on AMX CPUs too)
-        data_low = random_blocks(low, 16, 256, rng)
-        assert quant.QuantizedWeight.from_blocks(int(low), (16, 256), torch.from_numpy(data_low)).tiled == bool(m.vnni)
+    assert quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled == (expect and not m.amx)
+    for qtype in (T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL):
+        blocks = random_blocks(qtype, 16, 256, rng)
+        assert quant.QuantizedWeight.from_blocks(int(qtype), (16, 256), torch.from_numpy(blocks)).tiled == expect
     mx = random_blocks(T.MXFP4, 16, 256, rng)  # (no tile kernel)
     assert not quant.QuantizedWeight.from_blocks(39, (16, 256), torch.from_numpy(mx)).tiled
     quant.set_tiles(False)
