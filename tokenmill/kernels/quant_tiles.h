@@ -1,5 +1,5 @@
-// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K and IQ4_XS blocks,
-// for the byte products of a few input rows (decode, speculative verify steps, small batches).
+// Weight rows interleaved by 16: a second layout of the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL and IQ4_XS
+// blocks, for the byte products of a few input rows (decode, speculative verify steps, small batches).
 //
 // In the row layout (quant.h) a vector's 16 int32 lanes are 16 blocks of one weight row: each pair of weight
 // row and input row ends in its own conversion, scaling and horizontal sum, and on short rows (the default
@@ -10,6 +10,7 @@
 //   Q4_1  [16 float16 scales d] [16 float16 offsets m] [4 x 64 bytes, as Q4_0]
 //   Q5_0  [16 float16 scales d] [16 x 4 bytes: row j's fifth bits (GGUF's qh) at 4j] [4 x 64 bytes, as Q4_0]
 //   Q5_1  [16 float16 scales d] [16 float16 offsets m] [16 x 4 bytes of fifth bits] [4 x 64 bytes, as Q4_0]
+//   IQ4_NL as Q4_0 (its block is Q4_0's; the codes name the table's values)
 // (a 4-bit code byte i holds element i in its low nibble and i + 16 in its high one, as GGUF has it); and in
 // super-block b of a tile of the K formats (256 elements a row, GGUF's fields interleaved by 4-byte words):
 //   Q4_K  [16 float16 d] [16 float16 dmin] [3 x 64 bytes: word w of row j's 12 packed 6-bit scales and mins
@@ -419,6 +420,17 @@ TM_INLINE __m512i fifth_bit(__m512i v, int bit) {
   return _mm512_and_si512(bit <= 4 ? _mm512_slli_epi16(v, 4 - bit) : _mm512_srli_epi16(v, bit - 4), b4);
 }
 
+// Super-block b of R input rows rounded with one scale per 256 (QRow::per256): their 4-byte words of q
+// (xw[r][e / 4] holds element e) and their sums of 16.
+template <int R>
+struct SuperBlockInputs {
+  const int32_t* xw[R];
+  const int16_t* s16[R];
+  TM_INLINE SuperBlockInputs(const QRow* x, int64_t b) {
+    for (int r = 0; r < R; ++r) xw[r] = (const int32_t*)(x[r].per256->q + b * QKK), s16[r] = x[r].per256->sums16 + b * 16;
+  }
+};
+
 // Q4_K (Q5_K with FIVE), 16 rows a lane each: w = d sc_j c - dmin m_j in sub-block j (32 elements) of a
 // super-block, against inputs with one scale per 256 (QRow::per256: q, d, sums16). A lane's sub-block sum of
 // c x (at most 32 * 31 * 127) times its 6-bit scale sums in int32 over the super-block, as the mins times
@@ -436,11 +448,11 @@ TM_INLINE void tile_product_q45_k(const uint8_t* tile, int64_t nb, const QRow* x
     __m512i sc[2], mn[2];
     q4_k_scales(blk, sc, mn);
     const uint8_t* codes = blk + (FIVE ? kQ5KCodes : kQ4KCodes);
-    const int32_t* xw[R];
+    const SuperBlockInputs<R> in(x, b);
+    const auto& xw = in.xw;
     __m512i isum[R], imin[R];
     for (int r = 0; r < R; ++r) {
-      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
-      const int16_t* s16 = x[r].per256->sums16 + b * 16;
+      const int16_t* s16 = in.s16[r];
       auto xs = [&](int j) { return _mm512_set1_epi32((int)s16[2 * j] + (int)s16[2 * j + 1]); };
       imin[r] = _mm512_mullo_epi32(lane_byte(mn[0], 0), xs(0));
       imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[0], 1), xs(1)));
@@ -501,14 +513,10 @@ TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x,
     const uint8_t* sw = blk + kQ6KScales;
     const __m512i scw[4] = {_mm512_loadu_si512(sw), _mm512_loadu_si512(sw + 64), _mm512_loadu_si512(sw + 128),
                             _mm512_loadu_si512(sw + 192)};
-    const int32_t* xw[R];
-    const int16_t* s16[R];
+    const SuperBlockInputs<R> in(x, b);
+    const auto &xw = in.xw, &s16 = in.s16;
     __m512i isum[R];
-    for (int r = 0; r < R; ++r) {
-      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
-      s16[r] = x[r].per256->sums16 + b * 16;
-      isum[r] = _mm512_setzero_si512();
-    }
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     // Part k of sub-block pair (8h + 2k, 8h + 2k + 1): elements 128h + 32k + 4u.., u = 0..7 (q6_k_codes).
     auto part = [&](int h, int k, __m512i sa, __m512i sb) {
       const int i = 8 * h + 2 * k;  // the first sub-block (u < 4), then i + 1
@@ -539,15 +547,15 @@ TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x,
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-// Calls f(std::integral_constant<int, I>()) for I = 0 .. N - 1, written out: the shifts inside f then take
-// their counts as constants (a loop the compiler kept measured up to 3x slower).
-template <int N, typename F, int... I>
+// Calls f(std::integral_constant<int, I>()) for I = 0 .. N - 1, written out, so that the shifts inside f
+// take their counts as constants (as Q6_K's parts above are written out).
+template <typename F, int... I>
 TM_INLINE void each_constant(const F& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>()), ...);
 }
 template <int N, typename F>
 TM_INLINE void each_constant(const F& f) {
-  each_constant<N>(f, std::make_integer_sequence<int, N>());
+  each_constant(f, std::make_integer_sequence<int, N>());
 }
 
 // Q2_K (Q3_K with THREE), 16 rows a lane each: w = d sc_s q - dmin m_s (Q3_K: d sc_s q) in sub-block s (16
@@ -566,14 +574,10 @@ TM_INLINE void tile_product_q23_k(const uint8_t* tile, int64_t nb, const QRow* x
   for (int64_t b = 0; b < nb; ++b) {
     ahead(block);
     const uint8_t* blk = tile + b * block;
-    const int32_t* xw[R];
-    const int16_t* s16[R];
+    const SuperBlockInputs<R> in(x, b);
+    const auto &xw = in.xw, &s16 = in.s16;
     __m512i isum[R], imin[R];
-    for (int r = 0; r < R; ++r) {
-      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
-      s16[r] = x[r].per256->sums16 + b * 16;
-      isum[r] = imin[r] = _mm512_setzero_si512();
-    }
+    for (int r = 0; r < R; ++r) isum[r] = imin[r] = _mm512_setzero_si512();
     __m512i sw[4];  // the scale words: Q2_K's 4 (byte s: sub-block s's scale, low nibble, and min), Q3_K's 3
     for (int w = 0; w < (THREE ? 3 : 4); ++w) sw[w] = _mm512_loadu_si512(blk + (THREE ? kQ3KScales : kQ2KScales) + 64 * w);
     if constexpr (!THREE) {
@@ -648,14 +652,10 @@ TM_INLINE void tile_product_iq4_xs(const uint8_t* tile, int64_t nb, const QRow* 
     const uint8_t* blk = tile + b * block;
     const __m512i sl = _mm512_loadu_si512(blk + kIQ4XSLow);
     const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(blk + kIQ4XSHigh)));
-    const int32_t* xw[R];
-    const int16_t* s16[R];
+    const SuperBlockInputs<R> in(x, b);
+    const auto &xw = in.xw, &s16 = in.s16;
     __m512i isum[R];
-    for (int r = 0; r < R; ++r) {
-      xw[r] = (const int32_t*)(x[r].per256->q + b * QKK);
-      s16[r] = x[r].per256->sums16 + b * 16;
-      isum[r] = _mm512_setzero_si512();
-    }
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     each_constant<8>([&](auto jc) {
       constexpr int j = decltype(jc)::value;
       const __m512i sc = _mm512_sub_epi32(
