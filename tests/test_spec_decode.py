@@ -559,6 +559,22 @@ def test_draft_model_proposes_in_one_burst_of_its_fused_decoder(tiny_models):
     assert not proposer.shadows and proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
 
 
+def test_a_draft_model_s_steps_on_one_thread_are_counted(tiny_models):
+    """A draft model's passes held on one thread by its runner's step governor (a core taken by another
+    process; here a hold that does not end) count in the engine's one-thread stats, which /metrics
+    reports, beside the target's own."""
+    prompts, sp = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    target = tiny_models["llama"]
+    llm = LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": target})
+    held = cpu_kernels.ThreadGovernor(2)
+    held.solo_until = float("inf")
+    llm.engine.proposer.runner.governor = held
+    llm.generate(prompts, sp)
+    assert held.solo_steps >= 3  # the draft's passes ran, each on one thread
+    own = llm.engine.runner.one_thread_stats().get("cpu_steps_on_one_thread", 0)
+    assert llm.engine.stats()["cpu_steps_on_one_thread"] == own + held.solo_steps
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels (bursts of the fused decoder)")
 def test_a_two_row_catch_up_whose_draft_disagrees_runs_its_last_token_again(tiny_models):
     """Where the draft's choice after its last proposal is not the target's next token, its logits after

@@ -357,8 +357,17 @@ class LLMEngine:
             "prefix_cache_queries": kv.num_queried_tokens,
             "prefix_cache_hits": kv.num_hit_tokens,
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
-            **self.runner.one_thread_stats(),
+            **self._one_thread_stats(),
         }
+
+    def _one_thread_stats(self) -> dict:
+        """The runners' counts of work sent to one thread by a taken core: the model's, and a draft model's
+        added in (its passes are steps of this engine too)."""
+        stats = self.runner.one_thread_stats()
+        draft = getattr(self.proposer, "runner", None)
+        for key, n in (draft.one_thread_stats() if draft is not None else {}).items():
+            stats[key] = stats.get(key, 0) + n
+        return stats
 
     def reset_prefix_cache(self) -> None:
         self.kv_manager.reset_prefix_cache()
