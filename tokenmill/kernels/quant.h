@@ -690,6 +690,13 @@ inline __m256i bf16x16(__m512 v);  // (below)
 TM_INLINE void store_values(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 TM_INLINE void store_values(uint16_t* y, __m512 v) { _mm256_storeu_si256((__m256i*)y, bf16x16(v)); }
 
+// IQ4_NL / IQ4_XS: the table in each 128-bit lane as bytes, for a shuffle by code: v, or (offset) v + 128
+// as an unsigned byte (1 .. 241), the form VNNI's unsigned-by-signed products take.
+TM_INLINE __m512i iq4_bytes(bool offset) {
+  const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIq4Values));
+  return offset ? _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)) : v;
+}
+
 // IQ4_NL / IQ4_XS: each code's table value as a float lane (permutexvar over the 16 values).
 TM_INLINE __m512 iq4_lanes(__m128i codes) {
   const __m512 table = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)kIq4Values)));
@@ -1292,8 +1299,7 @@ inline void dot_q4_01(const uint8_t* row, const QRow* x, int64_t K, float* out) 
 #endif
   const float bias = FP4 ? -12.f : NL ? (kSigned ? 0.f : -128.f) : FIVE ? -16.f : -8.f;
   const __m512i fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-  const __m512i nl = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIq4Values)),
-                                     _mm512_set1_epi8(kSigned ? 0 : (char)0x80));
+  const __m512i nl = iq4_bytes(!kSigned);
   const __m512i m4 = _mm512_set1_epi8(0xF), c16 = _mm512_set1_epi8(16);
   auto lookup = [&](__m512i codes) {
     return FP4 ? _mm512_shuffle_epi8(fp4, codes) : NL ? _mm512_shuffle_epi8(nl, codes) : codes;

@@ -276,6 +276,19 @@ inline void dequantize_k_tile(int base, const uint8_t* tile, int64_t nb, T* y, i
 }
 #endif
 
+// A tile's 16 rows dequantized one at a time, each rebuilt in the row layout (row_layout).
+template <typename T>
+inline void dequantize_tile_rows(int type, const uint8_t* tile, int64_t K, T* y, int64_t ldy) {
+  const int base = base_type(type);
+  const int64_t row_bytes = tile_blocks(base, K) * tile_block_bytes(base) / kTileRows;
+  std::vector<uint8_t> buf;
+  for (int j = 0; j < kTileRows; ++j) {
+    const uint8_t* row = row_layout(type, tile, row_bytes, j, K, buf);
+    if constexpr (std::is_same_v<T, float>) dequantize_row(base, row, y + j * ldy, K);
+    else dequantize_row_bf16(base, row, y + j * ldy, K);
+  }
+}
+
 // The values of a tile's 16 rows (K elements each) into y (row j at y + j ldy), float32 or bfloat16 (T =
 // float or uint16_t): the prompt path's dequantized weight tiles. Each value as the row layout's
 // dequantize_row(_bf16) gives it (the same per-block code; the K formats' through dequantize_k_tile).
@@ -288,15 +301,7 @@ inline void dequantize_tile(int type, const uint8_t* tile, int64_t K, T* y, int6
     dequantize_k_tile(base, tile, nb, y, ldy);
     return;
   }
-  if (base == IQ4_NL) {  // (rows rebuilt one at a time: a float32 prompt's path, or a CPU without AVX-512 BF16)
-    std::vector<uint8_t> buf;
-    for (int j = 0; j < kTileRows; ++j) {
-      const uint8_t* row = row_layout(type, tile, nb * tile_block_bytes(base) / kTileRows, j, K, buf);
-      if constexpr (std::is_same_v<T, float>) dequantize_row(base, row, y + j * ldy, K);
-      else dequantize_row_bf16(base, row, y + j * ldy, K);
-    }
-    return;
-  }
+  if (base == IQ4_NL) return dequantize_tile_rows(type, tile, K, y, ldy);  // (a float32 prompt's path, or no BF16)
   const TileFormat f = tile_format(base);
   const int64_t block = tile_block_bytes(base);
   for (int64_t b = 0; b < nb; ++b) {
@@ -331,13 +336,8 @@ inline void dequantize_tile(int type, const uint8_t* tile, int64_t K, T* y, int6
     }
   }
 #else
-  const int64_t row_bytes = nb * tile_block_bytes(base) / kTileRows;
-  std::vector<uint8_t> buf;
-  for (int j = 0; j < kTileRows; ++j) {
-    const uint8_t* row = row_layout(type, tile, row_bytes, j, K, buf);
-    if constexpr (std::is_same_v<T, float>) dequantize_row(base, row, y + j * ldy, K);
-    else dequantize_row_bf16(base, row, y + j * ldy, K);
-  }
+  (void)nb;
+  dequantize_tile_rows(type, tile, K, y, ldy);
 #endif
 }
 
@@ -364,8 +364,7 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
   // Q5_0's q + 16 (w = d (c - bias)); Q4_1's and Q5_1's w = d c + m. IQ4_NL's name v + 128 by a byte shuffle.
   constexpr bool nl = BASE == IQ4_NL;
   constexpr float bias = BASE == Q8_0 || nl ? -128.f : five ? -16.f : -8.f;
-  __m512i table = _mm512_setzero_si512();
-  if constexpr (nl) table = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i*)kIq4Values), _mm_set1_epi8(-128)));
+  const __m512i table = nl ? iq4_bytes(true) : _mm512_setzero_si512();
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -644,7 +643,7 @@ template <int R, typename Ahead>
 TM_INLINE void tile_product_iq4_xs(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
   constexpr int64_t block = kTileRows * 136;
   const __m512i m4 = _mm512_set1_epi8(0xF), m4w = _mm512_set1_epi32(0xF);
-  const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i*)kIq4Values), _mm_set1_epi8(-128)));
+  const __m512i table = iq4_bytes(true);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
