@@ -162,6 +162,33 @@ def test_a_prompt_row_s_product_does_not_depend_on_the_chunk(kernels, qtype):
     assert torch.equal(one_tile, whole[:, 16:32])
 
 
+@pytest.mark.parametrize("qtype", TILE_TYPES + [T.MXFP4], ids=lambda t: t.name)
+def test_bfloat16_prompt_rows_through_the_row_layout(kernels, qtype):
+    """A matrix kept in rows (Q6_K on CPUs with AMX, a format without tiles, rows that are not whole tiles:
+    40 here), rows longer than a part of k (2,048) and more input rows than a pass (256): bfloat16 prompt
+    rows within the output's bfloat16 rounding and float32 sums of the float64 product. Where AMX's bfloat16
+    tiles take them (their pairs built from the rows), also the bits of the same blocks in tiles, and the same
+    bits whatever the chunk (elsewhere a dequantized copy and torch's GEMM, whose summation order is its own)."""
+    rng = np.random.default_rng(int(qtype) + 17)
+    k = width(qtype, 2336)
+    for n in (48, 40):
+        data = random_blocks(qtype, n, k, rng)
+        w = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(n, k)).bfloat16().double()
+        rows = kernels.repack(torch.from_numpy(data), int(qtype), k)
+        x = torch.from_numpy(rng.standard_normal((270, k)).astype(np.float32)).bfloat16()
+        whole = kernels.qmatmul(x, rows, int(qtype), k, float_inputs=True)
+        want = x.double() @ w.t()
+        bound = 2.0 ** -8 * want.abs() + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-30
+        assert torch.all((whole.double() - want).abs() <= bound), n
+        if not kernels.amx_pairs:
+            continue
+        for a, b in ((0, 1), (3, 17), (16, 21), (250, 270)):
+            assert torch.equal(kernels.qmatmul(x[a:b], rows, int(qtype), k, float_inputs=True), whole[a:b]), (n, a, b)
+        if n % 16 == 0 and qtype != T.MXFP4:
+            assert torch.equal(kernels.qmatmul(x, tiled(kernels, qtype, data, k), int(qtype) | quant.TILED, k,
+                                               float_inputs=True), whole)
+
+
 def test_which_matrices_are_tiled():
     """Whole tiles of a format with a tile kernel, where the CPU has VNNI (Q6_K only where it has no AMX); a
     stacked expert tensor only where each expert's rows are whole tiles; none after set_tiles(False)."""

@@ -120,4 +120,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("amx") = false;
 #endif
+#ifdef TM_PAIRS_AMX
+  m.attr("amx_pairs") = tmq::amx_usable();  // bfloat16 prompt rows meet the weights' pairs on AMX's bfloat16 tiles
+#else
+  m.attr("amx_pairs") = false;
+#endif
 }

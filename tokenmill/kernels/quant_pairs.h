@@ -16,7 +16,8 @@
 // sum over k in a fixed order whatever the row count or the row's place in it, so a prompt's logits do not
 // depend on how it was split into chunks or how much of it the prefix cache held. They are not torch's GEMM's
 // last bits (its summation order is its own), which only the float32 path (and CPUs without AVX-512 BF16)
-// still goes through.
+// still goes through. On CPUs with AMX the same pairs are AMX's B tiles instead (quant_product.h's
+// amx_pair_product), for matrices in rows too.
 #pragma once
 
 #include <algorithm>
@@ -146,14 +147,11 @@ TM_INLINE void q6_k_pairs(const uint8_t* blk, uint32_t* out) {
 }
 
 // Q2_K, Q3_K and IQ4_XS: a super-block's 16 rows dequantized to bfloat16 as the row layout has them
-// (dequantize_k_tile), then put in pairs: a 16 x 16 transpose of 32-bit words for each 16 pairs.
+// (dequantize_k_tile), then put in pairs.
 TM_INLINE void k_tile_pairs(int base, const uint8_t* blk, uint32_t* out) {
   alignas(64) uint16_t rows[kTileRows * QKK];
   dequantize_k_tile(base, blk, 1, rows, QKK);
-  const uint32_t* w = (const uint32_t*)rows;
-  for (int p0 = 0; p0 < QKK / 2; p0 += 16)
-    for (int p = p0; p < p0 + 16; ++p)
-      for (int j = 0; j < kTileRows; ++j) out[16 * p + j] = w[j * (QKK / 2) + p];
+  for (int p0 = 0; p0 < QKK / 2; p0 += 16) transpose_words((const uint8_t*)(rows + 2 * p0), QKK * 2, kTileRows, 16, out + 16 * p0);
 }
 
 // A tile's 16 rows of K values as bfloat16 pairs: pair p (elements 2p, 2p + 1) of row j at out[16 p + j].

@@ -6,9 +6,11 @@
 //  - float_rows_for() rows or more (prompt chunks, large batches): the weights are dequantized to the
 //    inputs' dtype (float32 or bfloat16) and multiplied as floats. The multiply-adds are the cost there, and
 //    the inputs keep their float values (no int8 rounding), so a prompt's logits are those of the dequantized
-//    model. Tiled weights and bfloat16 inputs on CPUs with AVX-512 BF16: panels of 32 rows dequantized in
-//    cache and multiplied there (quant_pairs.h, pair_product below); otherwise a thousand or more rows at a
-//    time dequantized into a buffer, then torch's GEMM.
+//    model. bfloat16 inputs on CPUs with AMX: panels of 32 weight rows (tiled or not) dequantized in cache
+//    to bfloat16 pairs and multiplied there on AMX's bfloat16 tiles (amx_pair_product below); tiled weights
+//    and bfloat16 inputs on other CPUs with AVX-512 BF16: the same pairs through vdpbf16ps (quant_pairs.h,
+//    pair_product below); otherwise a thousand or more rows at a time dequantized into a buffer, then
+//    torch's GEMM.
 #pragma once
 
 #include <torch/extension.h>
@@ -144,6 +146,192 @@ inline void pair_product(int type, const uint8_t* w, int64_t row_bytes, int64_t 
 }
 #endif
 
+#if defined(TM_QUANT_PAIRS) && defined(TM_QUANT_AMX) && defined(__AMX_BF16__)
+#define TM_PAIRS_AMX 1
+// The same pairs on AMX's bfloat16 tiles (tdpbf16ps), where the CPU has them: a pair buffer's 16 pairs of
+// 16 weight rows (1 KiB) are exactly a B tile (tile row p: pair p of each row), so a panel is dequantized
+// into them as above and every 16 input rows, loaded straight from x as an A tile (16 rows of 32 values),
+// meet it 16 x 16 x 32 at a time. Each output is one float32 sum over k, 32 at a time in k's order, whatever
+// the row count or the row's place in it (a tile's rows are independent), so a prompt's rows keep the same
+// bits however it is chunked, as the pairs' do. torch's GEMM on a dequantized copy, which this replaces,
+// wrote the whole matrix out as bfloat16 and read it back (a 4-row prompt paid for the matrix twice over).
+
+// Tiles: 0, 1 A (input rows), 2, 3 B (pairs of two weight tiles), 4-7 C (float32 sums, A x B in turn).
+inline void configure_bf16_tiles() {
+  struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// Rows not in tiles (a format kept in rows; N's last rows): `count` (<= 16) rows' elements [k0, k0 + n)
+// dequantized as the row layout has them, then put in pairs as a tile's are (the missing rows' pairs zero).
+// k0 > 0 only for the K formats, whose rows are GGUF's blocks one after the other.
+inline void row_pairs(int type, const uint8_t* w, int64_t row_bytes, int64_t count, int64_t k0, int64_t n, uint32_t* out) {
+  if (count == kTileRows && k_format(type)) {  // those blocks of 16 rows as a tile (words moved), then its pairs
+    thread_local std::vector<uint8_t> tile;
+    if ((int64_t)tile.size() < tile_blocks(type, n) * tile_block_bytes(type)) tile.resize(tile_blocks(type, n) * tile_block_bytes(type));
+    tile_from_gguf(type, w + k0 / QKK * gguf_block(type).bytes, row_bytes, n, tile.data());
+    return tile_pairs(type, tile.data(), n, out);
+  }
+  thread_local std::vector<uint16_t> rows;
+  if ((int64_t)rows.size() < kTileRows * n) rows.resize(kTileRows * n);
+  const int64_t bytes = n / QKK * gguf_block(type).bytes, offset = k0 / QKK * gguf_block(type).bytes;
+  for (int64_t j = 0; j < count; ++j) {
+    const uint8_t* row = w + j * row_bytes + offset;
+    if (offset + 2 * bytes <= row_bytes)  // the next pass's part of the row, asked for now (rows far apart)
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + bytes + b, 0, 2);
+    dequantize_row_bf16(type, row, rows.data() + j * n, n);
+  }
+  for (int64_t p0 = 0; p0 < n / 2; p0 += 16)
+    transpose_words((const uint8_t*)(rows.data() + 2 * p0), 2 * n, (int)count, 16, out + 16 * p0);
+}
+
+// A C tile's 16 x 16 float32 sums (stored at `sums`) -> rows [0, rows) of y (bfloat16, ldy apart), columns
+// [0, cols). (The tile is named in the macro's text, so each caller stores its own.)
+TM_INLINE void store_bf16_sums(const float* sums, uint16_t* y, int64_t ldy, int rows, int cols) {
+  const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+  for (int r = 0; r < rows; ++r)
+    _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + 16 * r)));
+}
+
+// Input rows a pass over the weights: each pass builds every panel's pairs again (about a tenth of a pass's
+// time at 256 rows), and its rows as A tiles stay near the cores while every panel meets them (a whole
+// 1,300-row prompt chunk at once ran 1.1-1.2x torch's GEMM's time on a dequantized copy). And elements of k
+// a panel takes at a time (its pairs 128 KiB, those columns of 256 rows 1 MiB): longer rows in parts, the
+// sums so far kept in float32 between them, so a sum carried on is the sum the tile held.
+constexpr int64_t kAmxPairRows = 256, kAmxPairK = 2048;
+
+// At least n elements of v (grown where it is shorter), from its first address on a 64-byte line: tile rows
+// that straddle two lines load at half the rate.
+template <typename T>
+T* line_aligned(std::vector<T>& v, int64_t n) {
+  const int64_t extra = 64 / sizeof(T);
+  if ((int64_t)v.size() < n + extra) v.resize(n + extra);
+  return (T*)(((uintptr_t)v.data() + 63) & ~(uintptr_t)63);
+}
+
+// y [M, N] (bfloat16, unit column stride) = x [M, K] (bfloat16) W^T, W tiled or in rows: for every 256 input
+// rows, panels of two weight tiles on torch's threads, each panel's pairs built once (by parts of k) and met
+// by 32 input rows x 32 weight rows at a time (four C tiles).
+inline void amx_pair_product(int type, const uint8_t* w, int64_t row_bytes, int64_t N, const torch::Tensor& x,
+                             torch::Tensor& y) {
+  const int base = base_type(type);
+  const bool tiled = is_tiled(type);
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + kTileRows - 1) / kTileRows, steps = K / 32;
+  // parts of k where a part's blocks can be found alone: tiles, and the K formats' rows (GGUF's blocks)
+  const int64_t Kc = tiled || k_format(base) ? std::min(K, kAmxPairK) : K, part_pairs = Kc / 2 * 16;
+  const torch::Tensor xc = x.contiguous();
+  const uint16_t* xs = (const uint16_t*)xc.data_ptr();
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const int64_t ldy = y.stride(0);
+  thread_local std::vector<uint16_t> packed;
+  thread_local std::vector<float> sums_so_far;  // [256 rows][the panels' 32 columns], between parts of k
+  const int64_t most = std::min((M + 15) / 16 * 16, kAmxPairRows), ldp = 32 * ((tiles + 1) / 2);
+  uint16_t* xp = line_aligned(packed, most * K);
+  float* partial = Kc < K ? line_aligned(sums_so_far, most * ldp) : nullptr;
+  for (int64_t r0 = 0; r0 < M; r0 += kAmxPairRows) {
+    const int64_t rows = std::min(kAmxPairRows, M - r0), padded = (rows + 15) / 16 * 16;
+    // these rows as A tiles: for each 16 rows (zeros past M) and each 32 columns, 1 KiB (a tile's rows 64
+    // bytes apart: x's own rows, 2K bytes apart, would all fall in a few sets of L1)
+    for_tiles(padded / 16, [&](int64_t mt) {
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t m = mt * 16 + r;
+        uint16_t* o = xp + mt * 16 * K + 32 * r;
+        for (int64_t s = 0; s < steps; ++s) {
+          if (m < rows) std::memcpy(o + 512 * s, xs + (r0 + m) * K + 32 * s, 64);
+          else std::memset(o + 512 * s, 0, 64);
+        }
+      }
+    });
+    for (int64_t k0 = 0; k0 < K; k0 += Kc) {  // (a part of k for every panel, so that those columns stay in L2)
+      const int64_t kn = std::min(Kc, K - k0);
+      const bool first = k0 == 0, last = k0 + kn == K;
+      for_tiles((tiles + 1) / 2, [&](int64_t p) {
+        const int64_t t0 = 2 * p, nt = std::min<int64_t>(2, tiles - t0);
+        thread_local std::vector<uint32_t> pairs;  // kept between calls: a fresh one would fault its pages in
+        uint32_t* buf = line_aligned(pairs, 2 * part_pairs);
+        if (nt == 1) std::memset(buf + part_pairs, 0, part_pairs * 4);  // (B tile 3 multiplies zeros)
+        const int cols0 = (int)std::min<int64_t>(16, N - t0 * kTileRows);
+        const int cols1 = nt == 2 ? (int)std::min<int64_t>(16, N - (t0 + 1) * kTileRows) : 0;
+        const uint32_t* b0 = buf;
+        const uint32_t* b1 = buf + part_pairs;
+        configure_bf16_tiles();  // per task: other code on this thread (oneDNN's GEMM, the int8 panels) sets its own
+        for (int64_t t = 0; t < nt; ++t) {
+          const int64_t n0 = (t0 + t) * kTileRows;
+          uint32_t* out = buf + t * part_pairs;
+          if (tiled) tile_pairs(base, w + n0 * row_bytes + k0 / gguf_block(base).block * tile_block_bytes(base), kn, out);
+          else row_pairs(type, w + n0 * row_bytes, row_bytes, std::min<int64_t>(kTileRows, N - n0), k0, kn, out);
+        }
+        for (int64_t m0 = 0; m0 < padded; m0 += 32) {
+          const bool two = m0 + 16 < padded;          // a second A tile of input rows
+          const uint16_t* a0 = xp + m0 * K + 16 * k0;  // (A tile of rows m0.. and columns 32 s..: at xp + m0 K + 512 s)
+          float* part = partial + m0 * ldp + 32 * p;   // (rows m0.. of the sums so far, this panel's 32 columns)
+          if (first) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+          } else {
+            _tile_loadd(4, part, 4 * ldp);
+            _tile_loadd(5, part + 16, 4 * ldp);
+            if (two) {
+              _tile_loadd(6, part + 16 * ldp, 4 * ldp);
+              _tile_loadd(7, part + 16 * ldp + 16, 4 * ldp);
+            }
+          }
+          for (int64_t k = 0; k < kn; k += 32) {
+            _tile_loadd(0, a0 + 16 * k, 64);
+            _tile_loadd(2, b0 + 8 * k, 64);
+            _tile_loadd(3, b1 + 8 * k, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            if (two) {
+              _tile_loadd(1, a0 + 16 * K + 16 * k, 64);
+              _tile_dpbf16ps(6, 1, 2);
+              _tile_dpbf16ps(7, 1, 3);
+            }
+          }
+          if (!last) {
+            _tile_stored(4, part, 4 * ldp);
+            _tile_stored(5, part + 16, 4 * ldp);
+            if (two) {
+              _tile_stored(6, part + 16 * ldp, 4 * ldp);
+              _tile_stored(7, part + 16 * ldp + 16, 4 * ldp);
+            }
+            continue;
+          }
+          uint16_t* out = yp + (r0 + m0) * ldy + t0 * kTileRows;
+          const int rows0 = (int)std::min<int64_t>(16, rows - m0);
+          alignas(64) float sums[16 * 16];
+          _tile_stored(4, sums, 64);
+          store_bf16_sums(sums, out, ldy, rows0, cols0);
+          if (cols1) {
+            _tile_stored(5, sums, 64);
+            store_bf16_sums(sums, out + 16, ldy, rows0, cols1);
+          }
+          if (two && rows > m0 + 16) {
+            const int rows1 = (int)std::min<int64_t>(16, rows - m0 - 16);
+            _tile_stored(6, sums, 64);
+            store_bf16_sums(sums, out + 16 * ldy, ldy, rows1, cols0);
+            if (cols1) {
+              _tile_stored(7, sums, 64);
+              store_bf16_sums(sums, out + 16 * ldy + 16, ldy, rows1, cols1);
+            }
+          }
+        }
+        _tile_release();
+      });
+    }
+  }
+}
+#endif
+
 // y [M, N] = x [M, K] W^T through tiles of W dequantized to x's dtype (float32 or bfloat16) and torch's
 // GEMM: a bfloat16 model's prompt rows meet bfloat16 weights, as with the file dequantized at load, and
 // run on the CPU's bfloat16 matrix units (AMX, AVX-512 BF16) where it has them, several times the float32
@@ -152,8 +340,12 @@ inline void dequantized_product(int type, const uint8_t* w, int64_t row_bytes, i
                                 torch::Tensor& y) {
   const int64_t K = x.size(1);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
+#ifdef TM_PAIRS_AMX
+  if (bf16 && y.stride(1) == 1 && amx_usable()) return amx_pair_product(type, w, row_bytes, N, x, y);
+#endif
 #if defined(TM_QUANT_PAIRS) && !defined(TM_GEMM_AMX)
-  // (With AMX, torch's GEMM on the dequantized tiles: a prompt of 256 rows took a fifth of the pairs' time.)
+  // (With AMX's int8 tiles and no bfloat16 ones, torch's GEMM on the dequantized tiles: a prompt of 256 rows
+  // took a fifth of the pairs' time.)
   if (bf16 && is_tiled(type) && y.stride(1) == 1) return pair_product(type, w, row_bytes, N, x, y);
 #endif
   int64_t tile = std::min<int64_t>(N, std::max<int64_t>(kDequantTileRows, kDequantTileFloats / K));

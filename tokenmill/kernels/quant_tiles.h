@@ -144,14 +144,56 @@ inline void k_fields(int base, From* from, To* to, int j) {
   for (const KField& f : k_fields_of(base)) k_field<ToTile>(f, from, to, j);
 }
 
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+// 16 rows' `words` (<= 16) 4-byte words (row j's at in + j ld, `count` rows, the others zero) -> word t of
+// row j at out[16 t + j], t < words: a 16 x 16 transpose of 32-bit words, in 128-bit lanes (words, then
+// pairs of words), then across lanes.
+TM_INLINE void transpose_words(const uint8_t* in, int64_t ld, int count, int words, uint32_t* out) {
+  const __mmask16 mask = (__mmask16)((1u << words) - 1);
+  __m512i r[16], t[16], u[16];
+  for (int j = 0; j < 16; ++j) r[j] = j < count ? _mm512_maskz_loadu_epi32(mask, in + j * ld) : _mm512_setzero_si512();
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + e], lane l: word 4l + e of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // word 4l + e of all rows: lane l of u[e], u[4 + e], u[8 + e], u[12 + e]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    const __m512i word[4] = {_mm512_shuffle_i32x4(v0, w0, 0x88), _mm512_shuffle_i32x4(v0, w0, 0xDD),
+                             _mm512_shuffle_i32x4(v1, w1, 0x88), _mm512_shuffle_i32x4(v1, w1, 0xDD)};
+    for (int l = 0; l < 4; ++l)
+      if (4 * l + e < words) _mm512_storeu_si512((void*)(out + 16 * (4 * l + e)), word[l]);
+  }
+}
+#endif
+
 // 16 rows of GGUF blocks (row_bytes apart, K elements each) -> one tile.
 inline void tile_from_gguf(int base, const uint8_t* rows, int64_t row_bytes, int64_t K, uint8_t* tile) {
   const int64_t nb = tile_blocks(base, K);
   if (k_format(base)) {
     const int64_t gb = tile_block_bytes(base) / kTileRows;
-    for (int64_t b = 0; b < nb; ++b)
-      for (int j = 0; j < kTileRows; ++j)
-        k_fields<true>(base, rows + j * row_bytes + b * gb, tile + b * tile_block_bytes(base), j);
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* blk = tile + b * tile_block_bytes(base);
+#if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+      for (const KField& f : k_fields_of(base)) {  // the words of 16 rows at a time
+        const uint8_t* from = rows + b * gb + f.gguf;
+        if (f.bytes == 2) {
+          for (int j = 0; j < kTileRows; ++j) std::memcpy(blk + f.tile + 2 * j, from + j * row_bytes, 2);
+          continue;
+        }
+        for (int w0 = 0; w0 < f.bytes / 4; w0 += 16)
+          transpose_words(from + 4 * w0, row_bytes, kTileRows, std::min(16, f.bytes / 4 - w0), (uint32_t*)(blk + f.tile) + 16 * w0);
+      }
+#else
+      for (int j = 0; j < kTileRows; ++j) k_fields<true>(base, rows + j * row_bytes + b * gb, blk, j);
+#endif
+    }
     return;
   }
   const TileFormat f = tile_format(base);
