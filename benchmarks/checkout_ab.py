@@ -3,6 +3,7 @@ tok/s at several batch sizes, each checkout in fresh processes, alternated round
 
     python benchmarks/checkout_ab.py --base HEAD~1 [--model FILE.gguf] [--batch 1 4 8] [--tokens 128] [--rounds 4]
         [--busy]
+    python benchmarks/checkout_ab.py --base HEAD~1 --prompt-words 4 16 256 1024 [--model FILE.gguf] [--rounds 4]
 
 Checks BASE out into a temporary git worktree (its kernels built in an extensions folder of its own) and
 runs the same child against it and against the working tree: load the model (the default one unless
@@ -11,7 +12,8 @@ prompts of --tokens tokens each (ignore_eos), timed whole: output tokens over th
 prompts' single steps are included. kernel_ab.py compares two builds of the fused decoder over one weight
 layout; this compares anything, at the price of a fresh load per round. With --busy, a process spins on
 the last CPU through the timed calls (after the warm-up), as in the soak's busy phases: the rates with one CPU
-taken by another process.
+taken by another process. With --prompt-words, time to first token instead: prompts of that many words
+(max_tokens 1, prefix cache off), the median of 5 a length, in milliseconds (lower is better).
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ finally:
 print("RESULT " + json.dumps(rates))
 """
 
+_TTFT_CHILD = r"""
+import json, statistics, sys, time
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.hub import pull
+llm = LLM(sys.argv[1] or pull(), enable_prefix_caching=False, kv_cache_memory="512MiB")
+words = "the quick brown fox jumps over a lazy dog while seven cats watch from the old stone wall".split()
+sp = SamplingParams(temperature=0, max_tokens=1)
+llm.generate(["warm up " * 40], sp)
+out = {}
+for n in [int(w) for w in sys.argv[2].split(",")]:
+    prompt = " ".join(words[i % len(words)] for i in range(n))
+    llm.generate([prompt], sp)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        llm.generate([prompt], sp)
+        times.append(time.perf_counter() - start)
+    out[n] = statistics.median(times) * 1e3
+print("RESULT " + json.dumps(out))
+"""
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -60,7 +83,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--busy", action="store_true", help="a process spinning on one CPU through the timed calls")
+    p.add_argument("--prompt-words", type=int, nargs="+", default=None,
+                   help="time to first token of prompts of these word counts instead of decode rates")
     args = p.parse_args()
+    ttft = args.prompt_words is not None
+    cases = args.prompt_words if ttft else args.batch
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scratch = tempfile.mkdtemp(prefix="tokenmill-ab-")
     base = os.path.join(scratch, "base")
@@ -73,24 +100,26 @@ def main() -> None:
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                 env = dict(os.environ, PYTHONPATH=trees[name],
                            TORCH_EXTENSIONS_DIR=os.path.join(scratch, "ext-" + name.replace(" ", "-")))
-                out = subprocess.run([sys.executable, "-c", _CHILD, args.model, ",".join(map(str, args.batch)),
-                                      str(args.tokens), "1" if args.busy else "0"], cwd=trees[name], env=env,
-                                     capture_output=True, text=True)
+                child = [_TTFT_CHILD, args.model, ",".join(map(str, cases))] if ttft else \
+                    [_CHILD, args.model, ",".join(map(str, cases)), str(args.tokens), "1" if args.busy else "0"]
+                out = subprocess.run([sys.executable, "-c", *child], cwd=trees[name], env=env, capture_output=True,
+                                     text=True)
                 line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if line is None:
                     sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
                 rates[name].append(json.loads(line[len("RESULT "):]))
-                print(f"round {r + 1}, {name}: " + ", ".join(f"batch {b} {v:.1f}" for b, v in rates[name][-1].items()),
+                label = "{} words {:.1f} ms" if ttft else "batch {} {:.1f}"
+                print(f"round {r + 1}, {name}: " + ", ".join(label.format(b, v) for b, v in rates[name][-1].items()),
                       flush=True)
     finally:
         subprocess.run(["git", "-C", root, "worktree", "remove", "--force", base], capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    print("output tok/s, medians over rounds (paired ratios, working tree over base):")
-    for b in map(str, args.batch):
+    print(("time to first token, ms" if ttft else "output tok/s") + ", medians over rounds (paired ratios, working tree over base):")
+    for b in map(str, cases):
         old = [x[b] for x in rates["base"]]
         new = [x[b] for x in rates["working tree"]]
         ratios = " ".join(f"{n / o:.3f}" for o, n in zip(old, new))
-        print(f"  batch {b}: base {statistics.median(old):.1f}, working tree {statistics.median(new):.1f} ({ratios})")
+        print(f"  {'words' if ttft else 'batch'} {b}: base {statistics.median(old):.1f}, working tree {statistics.median(new):.1f} ({ratios})")
 
 
 if __name__ == "__main__":

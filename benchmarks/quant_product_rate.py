@@ -11,7 +11,12 @@ M input rows at once (a batched decode step's GEMV, up to the row count where AM
 With --base, the kernels as they were at git revision REV and the working tree's, built for this CPU and
 loaded side by side in this process, each product timed with one and then the other in random order for
 --seconds per input-row count (one thread): the median of the per-round ratios, new over base. The two
-builds must give the same bits (checked).
+builds must give the same bits (checked). With --prompt, a prompt chunk's product instead (bfloat16 inputs
+taking the float path whatever their count, as the engine sends a prompt's rows), on --threads' first count;
+the two builds' outputs must then agree to bfloat16's rounding (their sums may run in other orders).
+
+    python benchmarks/quant_product_rate.py M/model-Q4_K_M.gguf blk.0.ffn_gate.weight --base REV --prompt \
+        --inputs 4,16,64,256,512 --threads 2 --seconds 5
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--base", default=None, help="git revision of the kernels to compare against (in-process A/B)")
     ap.add_argument("--seconds", type=float, default=10.0, help="with --base: seconds of rounds per input-row count")
+    ap.add_argument("--prompt", action="store_true", help="with --base: a prompt chunk's product (bfloat16, float path)")
     args = ap.parse_args()
     quant.load()
     if args.base:
@@ -92,18 +98,26 @@ def compare(args) -> None:
         base = quant.build()
     finally:
         quant._SOURCES = sources
-    torch.set_num_threads(1)
+    threads = int(args.threads.split(",")[0]) if args.prompt else 1
+    torch.set_num_threads(threads)
     w = load_tensor(args.file, args.tensor, args.rows)
     k = w.shape[1]
     for m in (int(v) for v in str(args.inputs).split(",")):
-        x = torch.randn(m, k)
-        assert torch.equal(base.qmatmul(x, w.data, w.qtype, k), new.qmatmul(x, w.data, w.qtype, k)), "the builds differ"
+        x = torch.randn(m, k).bfloat16() if args.prompt else torch.randn(m, k)
+        a = base.qmatmul(x, w.data, w.qtype, k, float_inputs=args.prompt)
+        b = new.qmatmul(x, w.data, w.qtype, k, float_inputs=args.prompt)
+        if args.prompt:  # a bfloat16 step (2^-8 of the value) at most, past sums' own rounding
+            assert ((a.float() - b.float()).abs() <= a.float().abs() / 128 + 1e-3 * a.float().abs().max()).all(), \
+                "the builds differ by more than rounding"
+        else:
+            assert torch.equal(a, b), "the builds differ"
+        reps = 20 if m < 64 else 3
 
         def run(module) -> float:
             start = time.perf_counter()
-            for _ in range(20):
-                module.qmatmul(x, w.data, w.qtype, k)
-            return (time.perf_counter() - start) / 20
+            for _ in range(reps):
+                module.qmatmul(x, w.data, w.qtype, k, float_inputs=args.prompt)
+            return (time.perf_counter() - start) / reps
 
         for _ in range(5):
             run(base), run(new)
@@ -113,7 +127,7 @@ def compare(args) -> None:
             for name in random.sample(["base", "new"], 2):
                 times[name].append(run(base if name == "base" else new))
         ratio = statistics.median(b / a for a, b in zip(times["base"], times["new"]))
-        print(f"{w.name} {w.shape[0]} x {k}, {m} input row(s), 1 thread: base {statistics.median(times['base']) * 1e6:.1f} us, "
+        print(f"{w.name} {w.shape[0]} x {k}, {m} input row(s), {threads} thread(s): base {statistics.median(times['base']) * 1e6:.1f} us, "
               f"new {statistics.median(times['new']) * 1e6:.1f} us, new/base {ratio:.3f} ({len(times['base'])} rounds)")
 
 
