@@ -96,10 +96,10 @@ _float_rows: int | None = None  # set_float_rows' value, for kernel modules load
 
 
 def set_float_rows(rows: int) -> None:
-    """From how many input rows on a product dequantizes its weight tiles and multiplies float inputs by
-    torch's GEMM (below: int8 inputs and integer dot products), for float32 and bfloat16 inputs alike; 0
-    restores the defaults (48 rows; for bfloat16 inputs 64 on CPUs with AMX, 20 on other CPUs with AVX-512
-    BF16). Both kernel modules take it, now or when they load."""
+    """From how many input rows on a product multiplies float inputs by its dequantized weights (below: int8
+    inputs and integer dot products), for float32 and bfloat16 inputs alike; 0 restores the defaults (48
+    rows; for bfloat16 inputs 20 on CPUs with AVX-512 BF16). Both kernel modules take it, now or when they
+    load."""
     global _float_rows
     from tokenmill.kernels import cpu
 

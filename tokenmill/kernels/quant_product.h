@@ -39,11 +39,16 @@ namespace tmq {
 // rows, 0.64-1.12x at 16, 0.49-0.89x at 24, 0.33-0.71x at 48; time to first token of 16-, 24-, 37- and
 // 47-token prompts on those two models (benchmarks/float_rows_ttft.py), switching at 16 against 48: 1.06x,
 // 0.86x, 0.72x, 0.65x. So from 20.
+// With AMX, bfloat16 inputs now meet the weights' pairs on AMX's bfloat16 tiles (amx_pair_product below):
+// against the tiles' byte products (benchmarks/pair_products.py, 2-core Xeon), 0.92x their time at 16 rows,
+// 0.72x at 24, 0.59x at 32, 0.50x at 48 (Q4_K 8192 x 2048; Q4_0, Q8_0, Q4_1 alike; Q6_K in rows 1.7-2.5
+// ms at 16-48 rows, about AMX's int8 panels' 1.4-2.6 above). So from 20 there too: the default model's
+// batches of 48 (past the fused decoder's 32 rows) decoded 1.48-1.56x as fast.
 constexpr int64_t kFloatRows = 48;
 #if defined(__AMX_BF16__) && defined(__AMX_INT8__)
 #define TM_GEMM_AMX 1  // torch's bfloat16 GEMM runs on AMX
-constexpr int64_t kFloatRowsBf16 = 64;
-#elif defined(__AVX512BF16__)
+#endif
+#if defined(__AVX512BF16__)
 constexpr int64_t kFloatRowsBf16 = 20;
 #else
 constexpr int64_t kFloatRowsBf16 = kFloatRows;
@@ -169,25 +174,22 @@ inline void configure_bf16_tiles() {
   _tile_loadconfig(&c);
 }
 
-// Rows not in tiles (a format kept in rows; N's last rows): `count` (<= 16) rows' elements [k0, k0 + n)
-// dequantized as the row layout has them, then put in pairs as a tile's are (the missing rows' pairs zero).
-// k0 > 0 only for the K formats, whose rows are GGUF's blocks one after the other.
+// Rows not in tiles (a format kept in rows; N's last rows): `count` (<= 16) rows' elements [k0, k0 + n) in
+// pairs as a tile's are (the missing rows' pairs zero). k0 > 0 only for the K formats, whose rows are GGUF's
+// blocks one after the other: 16 of them are moved into a tile of those blocks, whose pairs tile_pairs makes;
+// other rows are dequantized as the row layout has them, then transposed into pairs.
 inline void row_pairs(int type, const uint8_t* w, int64_t row_bytes, int64_t count, int64_t k0, int64_t n, uint32_t* out) {
-  if (count == kTileRows && k_format(type)) {  // those blocks of 16 rows as a tile (words moved), then its pairs
+  const int64_t offset = k0 > 0 ? k0 / QKK * gguf_block(type).bytes : 0;
+  if (count == kTileRows && k_format(type)) {
     thread_local std::vector<uint8_t> tile;
-    if ((int64_t)tile.size() < tile_blocks(type, n) * tile_block_bytes(type)) tile.resize(tile_blocks(type, n) * tile_block_bytes(type));
-    tile_from_gguf(type, w + k0 / QKK * gguf_block(type).bytes, row_bytes, n, tile.data());
+    const int64_t bytes = tile_blocks(type, n) * tile_block_bytes(type);
+    if ((int64_t)tile.size() < bytes) tile.resize(bytes);
+    tile_from_gguf(type, w + offset, row_bytes, n, tile.data());
     return tile_pairs(type, tile.data(), n, out);
   }
   thread_local std::vector<uint16_t> rows;
   if ((int64_t)rows.size() < kTileRows * n) rows.resize(kTileRows * n);
-  const int64_t bytes = n / QKK * gguf_block(type).bytes, offset = k0 / QKK * gguf_block(type).bytes;
-  for (int64_t j = 0; j < count; ++j) {
-    const uint8_t* row = w + j * row_bytes + offset;
-    if (offset + 2 * bytes <= row_bytes)  // the next pass's part of the row, asked for now (rows far apart)
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + bytes + b, 0, 2);
-    dequantize_row_bf16(type, row, rows.data() + j * n, n);
-  }
+  for (int64_t j = 0; j < count; ++j) dequantize_row_bf16(type, w + j * row_bytes + offset, rows.data() + j * n, n);
   for (int64_t p0 = 0; p0 < n / 2; p0 += 16)
     transpose_words((const uint8_t*)(rows.data() + 2 * p0), 2 * n, (int)count, 16, out + 16 * p0);
 }
