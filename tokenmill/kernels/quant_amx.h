@@ -41,11 +41,8 @@ inline bool amx_usable() {
   return ok;
 }
 
-// Tiles: 0, 1 A (16 weight rows x 32 bytes, or 16 for Q6_K's sub-blocks: `half`) and 2, 3 B (the same
-// inputs of 16 rows, 4 per tile row), taken in turn, so that a tile is loaded while the other is multiplied;
-// 4-7 C (16 x 16 int32), in turn, so that a C tile is zeroed for a new product well after its last sums were
-// stored (a tile written too soon after its store waits for it).
-inline void configure_tiles(bool half) {
+// Palette 1, tile t of rows[t] rows of colsb[t] bytes (t < 8).
+inline void load_tile_config(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
   struct {
     uint8_t palette, start;
     uint8_t reserved[14];
@@ -53,10 +50,18 @@ inline void configure_tiles(bool half) {
     uint8_t rows[16];
   } c{};
   c.palette = 1;
-  for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = half ? 16 : 32;
-  for (int t = 2; t < 4; ++t) c.rows[t] = half ? 4 : 8, c.colsb[t] = 64;
-  for (int t = 4; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
   _tile_loadconfig(&c);
+}
+
+// Tiles: 0, 1 A (16 weight rows x 32 bytes, or 16 for Q6_K's sub-blocks: `half`) and 2, 3 B (the same
+// inputs of 16 rows, 4 per tile row), taken in turn, so that a tile is loaded while the other is multiplied;
+// 4-7 C (16 x 16 int32), in turn, so that a C tile is zeroed for a new product well after its last sums were
+// stored (a tile written too soon after its store waits for it).
+inline void configure_tiles(bool half) {
+  const uint8_t b = half ? 4 : 8;
+  const uint16_t a = half ? 16 : 32;
+  load_tile_config({16, 16, b, b, 16, 16, 16, 16}, {a, a, 64, 64, 64, 64, 64, 64});
 }
 
 // 16 rows' 32 bytes each, two rows a vector (rows 2p, 2p+1 in the halves of rows[p]), into the B tile layout:

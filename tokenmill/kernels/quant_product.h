@@ -155,23 +155,15 @@ inline void pair_product(int type, const uint8_t* w, int64_t row_bytes, int64_t 
 #define TM_PAIRS_AMX 1
 // The same pairs on AMX's bfloat16 tiles (tdpbf16ps), where the CPU has them: a pair buffer's 16 pairs of
 // 16 weight rows (1 KiB) are exactly a B tile (tile row p: pair p of each row), so a panel is dequantized
-// into them as above and every 16 input rows, loaded straight from x as an A tile (16 rows of 32 values),
-// meet it 16 x 16 x 32 at a time. Each output is one float32 sum over k, 32 at a time in k's order, whatever
+// into them as above and every 16 input rows, as an A tile (16 rows of 32 values), meet it 16 x 16 x 32 at
+// a time. Each output is one float32 sum over k, 32 at a time in k's order, whatever
 // the row count or the row's place in it (a tile's rows are independent), so a prompt's rows keep the same
 // bits however it is chunked, as the pairs' do. torch's GEMM on a dequantized copy, which this replaces,
 // wrote the whole matrix out as bfloat16 and read it back (a 4-row prompt paid for the matrix twice over).
 
 // Tiles: 0, 1 A (input rows), 2, 3 B (pairs of two weight tiles), 4-7 C (float32 sums, A x B in turn).
 inline void configure_bf16_tiles() {
-  struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } c{};
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  load_tile_config({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
 // Rows not in tiles (a format kept in rows; N's last rows): `count` (<= 16) rows' elements [k0, k0 + n) in
@@ -331,6 +323,7 @@ inline void amx_pair_product(int type, const uint8_t* w, int64_t row_bytes, int6
       });
     }
   }
+  if (sums_so_far.size() > (size_t)(4 << 20)) std::vector<float>().swap(sums_so_far);  // (a large vocabulary's rows: not kept)
 }
 #endif
 
