@@ -402,6 +402,48 @@ def test_prefill_attention_rows_are_the_same_in_any_chunk(window):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
+def test_chunk_ops_round_as_the_eager_operations(monkeypatch):
+    """rms_norm_bf16, glu_bf16 and rotary_bf16 against the eager bfloat16 operations they stand for (RMSNorm,
+    gated, apply_rotary with the kernels off): the rotary embedding bit for bit (the same products and
+    roundings), the norm and activations within one bfloat16 step (float32 sums and exp in another order)."""
+    import torch.nn.functional as F
+
+    from tokenmill.model import rotary
+    from tokenmill.model.layers import gated
+
+    module = cpu_kernels.load()
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+
+    def close(got, want, share):
+        # one bfloat16 step at that magnitude (at most), or 1e-5 (gelu_tanh's tail: ~5e-7 where torch's is 0)
+        step = (want.float().abs() * 2 ** -7).clamp_min(1e-5)
+        assert ((got.float() - want.float()).abs() <= step).all()
+        assert (got != want).float().mean() <= share
+
+    x, w = (torch.randn(37, 576) * 3).to(bf), torch.randn(576).to(bf)
+    close(module.rms_norm_bf16(x, w, 1e-5), w * F.rms_norm(x.float(), (576,), eps=1e-5).to(bf), 1e-3)
+    close(module.rms_norm_bf16(x, w, 1e-6, 1.0, True), (F.rms_norm(x.float(), (576,), eps=1e-6) * (1 + w.float())).to(bf), 1e-3)
+    gu = (torch.randn(37, 2 * 1536) * 2).to(bf)
+    for index, (activation, glu) in enumerate([("silu", (1.0, 0.0)), ("gelu_tanh", (1.0, 0.0)),
+                                               ("clamped_swiglu", (1.702, 7.0))]):
+        want = gated(gu[:, :1536], gu[:, 1536:], activation, glu)
+        close(module.glu_bf16(gu, index, *glu), want, 0.05)
+    qkv = torch.randn(37, 15 * 64).to(bf)
+    q, k = qkv[:, :576].view(37, 9, 64), qkv[:, 576:768].view(37, 3, 64)  # views, rows 960 values apart
+    for r in (64, 48, 32):  # whole heads, and partial rotary
+        angle = torch.randn(37, 1, r // 2)
+        cos, sin = (torch.cat([f(angle), f(angle)], -1).to(bf) for f in (torch.cos, torch.sin))
+        monkeypatch.setattr(cpu_kernels, "CHUNK_OPS", False)
+        want = rotary.apply_rotary(q, k, cos, sin)
+        monkeypatch.setattr(cpu_kernels, "CHUNK_OPS", True)
+        got = rotary.apply_rotary(q, k, cos, sin)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].is_contiguous()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        module.glu_bf16(torch.zeros(2, 40, dtype=bf), 0)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
 def test_bfloat16_prompts_through_the_prompt_kernel_track_transformers(tiny_models, monkeypatch):
     """bfloat16 prompt rows (whole prompts and chunks after a cached prefix) take the kernel by default, and
     greedy tokens track transformers' float32 choices teacher-forced as test_reference's dense models do

@@ -363,6 +363,19 @@ def _bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out
 
 
+# A bfloat16 chunk's norms, gated activations and rotary embeddings go through the kernels (rms_norm_bf16,
+# glu_bf16, rotary_bf16: the eager operations' roundings, one pass, both threads) where they run;
+# TOKENMILL_CHUNK_OPS=torch keeps torch's own element-wise operations.
+CHUNK_OPS = os.environ.get("TOKENMILL_CHUNK_OPS", "kernel") != "torch"
+
+
+def chunk_ops(x: torch.Tensor) -> object | None:
+    """The kernel module where x is a bfloat16 CPU tensor whose element-wise operations it takes, else None."""
+    if _module is not None and CHUNK_OPS and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return _module
+    return None
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a 2-D float32 or bfloat16 tensor; the kernel on the CPU (torch's takes ~1 ns
     per element, ~45 us for one float32 row of a 49k vocabulary, ~180 us in bfloat16)."""

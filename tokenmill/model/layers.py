@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.cpu import linear
+from tokenmill.kernels.cpu import chunk_ops, linear
 from tokenmill.kernels.quant import float_from
+from tokenmill.model.description import ACTIVATIONS
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +25,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference implementations do. Llama's scale applies in the model
         # dtype to the rounded value; Gemma's (1 + w) and gpt-oss's w in float32, rounded once at the end.
+        ops = chunk_ops(x)
+        if (ops is not None and self.weight.dtype == torch.bfloat16 and x.is_contiguous() and x.dim()
+                and x.shape[-1] % 16 == 0):
+            return ops.rms_norm_bf16(x, self.weight.detach(), self.eps, self.offset, self.in_float)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.in_float:
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
@@ -187,7 +192,11 @@ class GatedMLP(nn.Module):
         self.glu = glu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gu = self.gate_up_proj(x)
+        ops = chunk_ops(gu)
+        if ops is not None and gu.dim() == 2 and gu.is_contiguous() and self.intermediate % 16 == 0:
+            return self.down_proj(ops.glu_bf16(gu, ACTIVATIONS.index(self.activation), *self.glu))
+        gate, up = gu.split(self.intermediate, dim=-1)
         return self.down_proj(gated(gate, up, self.activation, self.glu))
 
 

@@ -27,6 +27,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.kernels.cpu import chunk_ops
+
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
@@ -166,6 +168,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q: [T, H, D], k: [T, KVH, D]; cos, sin: [T, 1, R] rotate the first R <= D dims of each head."""
+    ops = chunk_ops(q)
+    if ops is not None and k.dtype == cos.dtype == sin.dtype == torch.bfloat16 and cos.is_contiguous() \
+            and sin.is_contiguous() and q.stride(-1) == 1 and k.stride(-1) == 1:
+        return ops.rotary_bf16(q, cos, sin), ops.rotary_bf16(k, cos, sin)
     r = cos.shape[-1]
     if r == q.shape[-1]:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
