@@ -360,6 +360,19 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
     assert tokens.shape == (3, 2)
 
 
+@pytest.fixture(params=[False, True], ids=["pairs", "amx"])
+def prompt_amx(request):
+    """prefill_attention through bf16 pair products, then (where the CPU has AMX) through AMX's tiles."""
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the CPU kernels did not build")
+    if request.param and not module.prompt_amx:
+        pytest.skip("no AMX on this CPU")
+    module.set_prompt_amx(request.param)
+    yield request.param
+    module.set_prompt_amx(True)
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
 @pytest.mark.parametrize("n,length,h,kvh,d,window", [
     (736, 736, 9, 3, 64, 0),    # the default model's shapes, a whole prompt
@@ -369,7 +382,7 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
     (5, 37, 2, 1, 16, 3),
     (1, 1, 4, 4, 32, 0),
 ])
-def test_prefill_attention_matches_a_float64_reference(n, length, h, kvh, d, window):
+def test_prefill_attention_matches_a_float64_reference(n, length, h, kvh, d, window, prompt_amx):
     torch.manual_seed(n + length)
     q = torch.randn(n, h, d, dtype=torch.bfloat16)
     k, v = (torch.randn(length, kvh, d, dtype=torch.bfloat16) for _ in range(2))
@@ -385,7 +398,7 @@ def test_prefill_attention_matches_a_float64_reference(n, length, h, kvh, d, win
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")
 @pytest.mark.parametrize("window", [0, 50])
-def test_prefill_attention_rows_are_the_same_in_any_chunk(window):
+def test_prefill_attention_rows_are_the_same_in_any_chunk(window, prompt_amx):
     """A prompt's rows computed in one call, or in chunks each over the prefix before it, are the same
     bits: a row's arithmetic depends on its position and the keys up to it only."""
     torch.manual_seed(0)
@@ -399,6 +412,25 @@ def test_prefill_attention_rows_are_the_same_in_any_chunk(window):
             parts.append(attend(q[start:end], k[:end], v[:end], 0.125, window))
             start = end
         assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.load().prompt_amx, reason="no AMX on this CPU")
+def test_prefill_attention_on_amx_tiles_is_its_own_path():
+    """The tiles' sums run in another order than the pair products': the two give different bits on the
+    default model's shapes (so the tests above that run with AMX on do run its code), within bf16 rounding."""
+    module = cpu_kernels.load()
+    torch.manual_seed(1)
+    q = torch.randn(200, 9, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(200, 3, 64, dtype=torch.bfloat16) for _ in range(2))
+    try:
+        module.set_prompt_amx(False)
+        pairs = module.prefill_attention(q, k, v, 0.125, 0)
+        module.set_prompt_amx(True)
+        tiles = module.prefill_attention(q, k, v, 0.125, 0)
+    finally:
+        module.set_prompt_amx(True)
+    assert not torch.equal(pairs, tiles)
+    torch.testing.assert_close(tiles, pairs, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build")

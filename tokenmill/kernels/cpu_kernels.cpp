@@ -2908,6 +2908,172 @@ void prompt_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
   });
 }
 
+#ifdef TM_PAIRS_AMX
+#define TM_PROMPT_AMX 1
+// Whether bfloat16 prompt attention takes the tiles where it can (set_prompt_amx; the tests compare both).
+inline std::atomic<bool> prompt_amx{true};
+// prompt_attention on AMX's bfloat16 tiles (tdpbf16ps), for head sizes a multiple of 64, where the CPU has
+// them. Transposed, so that a task's 16 query rows are the tiles' columns and every step of the softmax is
+// a vector operation over them (no sums across lanes):
+//   scores^T [16 keys, 16 rows] = K [16 keys, 32 dims] x Q^T [32 dims, 16 rows], per 32 dims: the keys are
+//   A tiles read where they lie (16 rows of 64 bytes, a KV head's row stride apart), the queries one B tile
+//   per 32 dims (pairs of dimensions by row), packed once per task;
+//   out^T [16 dims, 16 rows] += V^T [16 dims, 32 keys] x P^T [32 keys, 16 rows]: the values transposed once
+//   per call (keys along a row), the probabilities rounded to bfloat16 and paired by keys.
+// Rows are 16 positions of one query head; key blocks of 64 aligned to absolute positions, taken in order
+// from the first, each row's online softmax in its own lane, its running output in float32 (scaled by the
+// block's correction, then the block's tile sums added). Every value of a row depends on its query, its
+// position and the keys and values up to it, so a prompt's rows keep their bits whatever its chunks, as
+// prompt_attention's do; the sums run in the tile unit's order, not prompt_attention's.
+void prompt_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t n,
+                          int64_t L, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
+  constexpr int64_t KB = kPromptKeys;  // keys a block: four tiles of 16
+  const int64_t g = H / KVH, Lp = (L + KB - 1) / KB * KB, first = L - n, words = D / 2;
+  // vt [KVH][D][Lp]: each KV head's values, a dimension a row, zeros past L. 16 keys at a time: their words
+  // (two adjacent dimensions of a key) transposed, then each row of words split into its two dimensions.
+  thread_local std::vector<uint16_t> vt_buf;
+  uint16_t* vt = tmq::line_aligned(vt_buf, KVH * D * Lp);
+  at::parallel_for(0, KVH * (Lp / 16), 4, [&](int64_t b0, int64_t b1) {
+    alignas(64) static const uint16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                    1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const __m512i split = _mm512_load_si512(kSplit);
+    alignas(64) uint32_t w[256];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c = b / (Lp / 16), j0 = b % (Lp / 16) * 16;
+      uint16_t* o = vt + c * D * Lp + j0;
+      const int count = (int)std::max<int64_t>(0, std::min<int64_t>(16, L - j0));
+      for (int64_t w0 = 0; w0 < D / 2; w0 += 16) {
+        tmq::transpose_words((const uint8_t*)(v + (j0 * KVH + c) * D + 2 * w0), KVH * D * 2, count, 16, w);
+        for (int64_t t = 0; t < 16; ++t) {
+          const __m512i d2 = _mm512_permutexvar_epi16(split, _mm512_load_si512(w + 16 * t));
+          _mm256_store_si256((__m256i*)(o + (2 * (w0 + t)) * Lp), _mm512_castsi512_si256(d2));
+          _mm256_store_si256((__m256i*)(o + (2 * (w0 + t) + 1) * Lp), _mm512_extracti64x4_epi64(d2, 1));
+        }
+      }
+    }
+  });
+  const int64_t blocks = (n + 15) / 16, tasks = H * blocks;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<uint32_t> qt_buf, pt_buf;
+    thread_local std::vector<uint16_t> tail_buf;
+    thread_local std::vector<float> s_buf, o_buf;
+    uint32_t* qt = tmq::line_aligned(qt_buf, words * 16);  // [D / 32][16 pairs][16 rows]
+    uint32_t* pt = tmq::line_aligned(pt_buf, KB / 2 * 16);  // [2][16 pairs of keys][16 rows]
+    uint16_t* tail = tmq::line_aligned(tail_buf, KB * D);   // the last block's keys, zeros past L
+    float* sc = tmq::line_aligned(s_buf, KB * 16);          // [64 keys][16 rows]
+    float* ot = tmq::line_aligned(o_buf, (D + 64) * 16);    // [D][16 rows], then a slab's tile sums
+    float* slab = ot + D * 16;
+    tmq::load_tile_config({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = t0; t < t1; ++t) {
+      // Later positions cost more: tasks alternate between the cheapest and the dearest block left.
+      const int64_t h = t % H, i = t / H, pb = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+      const int64_t c = h / g, r0 = pb * 16, rows = std::min<int64_t>(16, n - r0);
+      const int64_t bottom = first + r0, top = bottom + rows - 1;
+      for (int64_t w0 = 0; w0 < words; w0 += 16)
+        tmq::transpose_words((const uint8_t*)(q + (r0 * H + h) * D + 2 * w0), H * D * 2, (int)rows, 16, qt + 16 * w0);
+      const __m512i pos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)bottom));
+      const __m512i lo = _mm512_sub_epi32(pos, _mm512_set1_epi32(window > 0 ? (int)window - 1 : INT_MAX / 2));
+      __m512 m = ninf, l = _mm512_setzero_ps();
+      std::fill(ot, ot + D * 16, 0.f);
+      const int64_t from = window > 0 ? std::max<int64_t>(0, bottom - window + 1) / KB * KB : 0;
+      for (int64_t j0 = from; j0 <= top; j0 += KB) {
+        const uint16_t* kb = k + (j0 * KVH + c) * D;
+        int64_t kstride = KVH * D * 2;
+        if (j0 + KB > L) {  // the last block: its keys copied, zeros after them (tiles read 64 rows)
+          std::fill(tail, tail + KB * D, 0);
+          for (int64_t j = j0; j < L; ++j) std::memcpy(tail + (j - j0) * D, k + (j * KVH + c) * D, D * 2);
+          kb = tail, kstride = D * 2;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t e = 0; e < D / 32; ++e) {
+          _tile_loadd(4, qt + 256 * e, 64);
+          _tile_loadd(5, (const char*)kb + 64 * e, kstride);
+          _tile_dpbf16ps(0, 5, 4);
+          _tile_loadd(5, (const char*)kb + 16 * kstride + 64 * e, kstride);
+          _tile_dpbf16ps(1, 5, 4);
+          _tile_loadd(5, (const char*)kb + 32 * kstride + 64 * e, kstride);
+          _tile_dpbf16ps(2, 5, 4);
+          _tile_loadd(5, (const char*)kb + 48 * kstride + 64 * e, kstride);
+          _tile_dpbf16ps(3, 5, 4);
+        }
+        _tile_stored(0, sc, 64);
+        _tile_stored(1, sc + 256, 64);
+        _tile_stored(2, sc + 512, 64);
+        _tile_stored(3, sc + 768, 64);
+        // The block's scores of each row (lane), kept where the key is at or before the row's position and
+        // inside its window; the block's largest, the running largest, the correction of what came before.
+        __mmask16 keep[KB];
+        __m512 top_x = ninf;
+        for (int64_t j = 0; j < KB; ++j) {
+          const __m512i key = _mm512_set1_epi32((int)(j0 + j));
+          keep[j] = _mm512_cmpge_epi32_mask(pos, key) & _mm512_cmpge_epi32_mask(key, lo);
+          const __m512 x = _mm512_mask_mul_ps(ninf, keep[j], _mm512_load_ps(sc + 16 * j), _mm512_set1_ps(scale));
+          _mm512_store_ps(sc + 16 * j, x);
+          top_x = _mm512_max_ps(top_x, x);
+        }
+        const __m512 mn = _mm512_max_ps(m, top_x);
+        const __mmask16 seen = _mm512_cmp_ps_mask(mn, ninf, _CMP_NEQ_OQ);
+        // exp(m - mn): 0 where the row had no keys before (m = -inf), 1 where it has none yet (mn = -inf)
+        const __m512 alpha = _mm512_mask_blend_ps(
+            seen, _mm512_set1_ps(1.f),
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(m, mn))));
+        m = mn;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < KB; j += 2) {
+          const __m512 e0 = _mm512_maskz_mov_ps(keep[j], exp_ps(_mm512_sub_ps(_mm512_load_ps(sc + 16 * j), mn)));
+          const __m512 e1 = _mm512_maskz_mov_ps(keep[j + 1], exp_ps(_mm512_sub_ps(_mm512_load_ps(sc + 16 * j + 16), mn)));
+          sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+          // keys j, j + 1 of each row as one word: a row of the B tile
+          const __m512i p0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+          const __m512i p1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+          _mm512_store_si512((void*)(pt + 8 * j), _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
+        }
+        l = _mm512_fmadd_ps(l, alpha, sum);
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          const uint16_t* va = vt + (c * D + d0) * Lp + j0;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t half = 0; half < 2; ++half) {
+            _tile_loadd(4, pt + 256 * half, 64);
+            _tile_loadd(5, va + 32 * half, Lp * 2);
+            _tile_dpbf16ps(0, 5, 4);
+            _tile_loadd(5, va + 16 * Lp + 32 * half, Lp * 2);
+            _tile_dpbf16ps(1, 5, 4);
+            _tile_loadd(5, va + 32 * Lp + 32 * half, Lp * 2);
+            _tile_dpbf16ps(2, 5, 4);
+            _tile_loadd(5, va + 48 * Lp + 32 * half, Lp * 2);
+            _tile_dpbf16ps(3, 5, 4);
+          }
+          _tile_stored(0, slab, 64);
+          _tile_stored(1, slab + 256, 64);
+          _tile_stored(2, slab + 512, 64);
+          _tile_stored(3, slab + 768, 64);
+          float* o = ot + d0 * 16;
+          for (int64_t d = 0; d < 64; ++d)
+            _mm512_store_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_load_ps(o + 16 * d), alpha, _mm512_load_ps(slab + 16 * d)));
+        }
+      }
+      // out [row, d] = ot [d, row] / l [row]: 16 dimensions at a time, transposed back.
+      alignas(64) float inv[16], back[256];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        tmq::transpose_words((const uint8_t*)(ot + d0 * 16), 64, 16, 16, (uint32_t*)back);
+        for (int64_t r = 0; r < rows; ++r)
+          store_bf16(out + ((r0 + r) * H + h) * D + d0, _mm512_mul_ps(_mm512_load_ps(back + 16 * r), _mm512_set1_ps(inv[r])));
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [n, H, D], k and v [L, KVH, D] expected");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
@@ -2919,6 +3085,12 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   q = q.contiguous(), k = k.contiguous(), v = v.contiguous();
   auto out = torch::empty_like(q);
+#ifdef TM_PROMPT_AMX
+  if (D % 64 == 0 && tmq::amx_usable() && prompt_amx.load()) {
+    prompt_attention_amx(bits(q), bits(k), bits(v), bits_mut(out), n, L, H, KVH, D, (float)scale, window);
+    return out;
+  }
+#endif
   prompt_attention(bits(q), bits(k), bits(v), bits_mut(out), n, L, H, KVH, D, (float)scale, window);
   return out;
 }
@@ -3100,6 +3272,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
         py::arg("window") = 0, release());
   m.def("quantize_kv", &quantize_kv, release());
+#ifdef TM_PROMPT_AMX
+  m.def("set_prompt_amx", [](bool on) { prompt_amx.store(on); }, "bfloat16 prompt attention on AMX's tiles (where the CPU has them)");
+  m.attr("prompt_amx") = tmq::amx_usable();
+#else
+  m.def("set_prompt_amx", [](bool) {});
+  m.attr("prompt_amx") = false;
+#endif
   m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("offset") = 0.0,
         py::arg("in_float") = false, release());
   m.def("glu_bf16", &glu_bf16, py::arg("gu"), py::arg("activation"), py::arg("alpha") = 1.0, py::arg("limit") = 0.0,
