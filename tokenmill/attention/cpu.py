@@ -26,8 +26,11 @@ class TorchSDPABackend(AttentionBackend):
         # Write every new token first: requests in this batch may read blocks others write now.
         k = kv_format.write(k_cache, meta.slot_mapping, k)
         v = kv_format.write(v_cache, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == 0 and meta.num_reqs == 1:  # one prompt chunk: its output as it comes, not copied
+            return self._prefill(q, k, v, k_cache, v_cache, meta.block_tables[0], meta.seq_lens[0], meta.block_size,
+                                 scale, sliding_window, softcap, sinks)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
         for r in range(nd, meta.num_reqs):
