@@ -2,7 +2,8 @@
 scaled_dot_product_attention (its CPU flash attention) on the same random bfloat16 inputs, the default
 model's heads (9 query heads, 3 KV heads, head_dim 64) unless told otherwise; medians of 10 calls after 3
 warm-up calls, the two alternated in rounds; then each one's error against attention in float64 on the
-same inputs (mean and largest absolute difference).
+same inputs (mean and largest absolute difference). On a CPU with AMX the kernel runs twice: on AMX's
+tiles (its default there, "amx") and in bf16 pair products ("pairs").
 
     python benchmarks/prefill_attention.py [--lengths 256 736 2000] [--heads 9 3 64] [--rounds 3]
 """
@@ -58,16 +59,28 @@ def main() -> None:
         q = torch.randn(length, h, d, dtype=torch.bfloat16)
         k, v = (torch.randn(length, kvh, d, dtype=torch.bfloat16) for _ in range(2))
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        runs = {"kernel": lambda: kernels.prefill_attention(q, k, v, d ** -0.5, 0),
-                "sdpa": lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)}
+        def kernel(amx: bool):
+            def run():
+                kernels.set_prompt_amx(amx)
+                try:
+                    return kernels.prefill_attention(q, k, v, d ** -0.5, 0)
+                finally:
+                    kernels.set_prompt_amx(True)
+            return run
+
+        runs = {"amx": kernel(True), "pairs": kernel(False)} if kernels.prompt_amx else {"kernel": kernel(True)}
+        runs["sdpa"] = lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        first = next(iter(runs))
         for r in range(args.rounds):
             ms = {name: median_ms(fn) for name, fn in runs.items()}
             flops = 2 * 2 * length * length * d * h / 2  # QK^T and PV, causal half
-            print(f"length {length}, round {r}: kernel {ms['kernel']:.2f} ms ({flops / ms['kernel'] / 1e6:.0f} "
-                  f"GFLOP/s), sdpa {ms['sdpa']:.2f} ms ({flops / ms['sdpa'] / 1e6:.0f} GFLOP/s), "
-                  f"sdpa / kernel {ms['sdpa'] / ms['kernel']:.2f}", flush=True)
+            print(f"length {length}, round {r}: " + ", ".join(
+                f"{name} {t:.2f} ms ({flops / t / 1e6:.0f} GFLOP/s)" for name, t in ms.items())
+                + "; " + ", ".join(f"{name} / {first} {t / ms[first]:.2f}" for name, t in ms.items() if name != first),
+                flush=True)
         ref = reference(q, k, v, d ** -0.5)
-        outs = {"kernel": runs["kernel"]().double(), "sdpa": runs["sdpa"]()[0].transpose(0, 1).double()}
+        outs = {name: fn().double() for name, fn in runs.items() if name != "sdpa"}
+        outs["sdpa"] = runs["sdpa"]()[0].transpose(0, 1).double()
         print(f"length {length}: error against float64, " + ", ".join(
             f"{name} mean {(out - ref).abs().mean():.2e} max {(out - ref).abs().max():.2e}"
             for name, out in outs.items()), flush=True)
