@@ -26,9 +26,9 @@ class RMSNorm(nn.Module):
         # Normalise in float32 as the reference implementations do. Llama's scale applies in the model
         # dtype to the rounded value; Gemma's (1 + w) and gpt-oss's w in float32, rounded once at the end.
         ops = chunk_ops(x)
-        if (ops is not None and self.weight.dtype == torch.bfloat16 and x.is_contiguous() and x.dim()
-                and x.shape[-1] % 16 == 0):
-            return ops.rms_norm_bf16(x, self.weight.detach(), self.eps, self.offset, self.in_float)
+        if ops is not None and self.weight.dtype == torch.bfloat16 and x.dim() and x.shape[-1] % 16 == 0:
+            # (q and k norms take views of the qkv rows: copied first, as torch's float32 copy copies them)
+            return ops.rms_norm_bf16(x.contiguous(), self.weight.detach(), self.eps, self.offset, self.in_float)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.in_float:
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
