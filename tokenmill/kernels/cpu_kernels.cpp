@@ -3071,6 +3071,7 @@ void prompt_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* 
     }
     _tile_release();
   });
+  if (vt_buf.size() > (size_t)(8 << 20)) std::vector<uint16_t>().swap(vt_buf);  // (a long context's: not kept)
 }
 #endif
 
