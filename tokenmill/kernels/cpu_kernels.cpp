@@ -2738,6 +2738,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 constexpr int64_t kPromptKeys = 64;      // keys a block
 constexpr int64_t kPromptPositions = 8;  // query positions a task
 
+// The block of query positions that a prompt's i-th task takes, of `blocks`: later positions cost more, so
+// tasks alternate between the cheapest and the dearest block left, and the even split of at::parallel_for
+// gives each thread a like share.
+inline int64_t cheap_then_dear(int64_t i, int64_t blocks) { return i % 2 == 0 ? i / 2 : blocks - 1 - i / 2; }
+
 // The scores of R query rows against a block of 16 * KB keys (kb: the block's keys in pair layout, P pairs
 // of dimensions), into s. Written with constant trip counts so that the accumulators stay in registers.
 template <int R, int KB>
@@ -2814,8 +2819,6 @@ void prompt_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     }
   });
   const int64_t blocks = (n + kPromptPositions - 1) / kPromptPositions, tasks = KVH * blocks;
-  // Later positions cost more: tasks alternate between the cheapest and the dearest left, so that the
-  // even split of at::parallel_for gives each thread a like share.
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     constexpr int R = 4;
     std::vector<float> o(R * D);
@@ -2823,7 +2826,7 @@ void prompt_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c = t % KVH, i = t / KVH, pb = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+      const int64_t c = t % KVH, pb = cheap_then_dear(t / KVH, blocks);
       const uint16_t* kc = kp.data() + c * Lp * D;
       const uint16_t* vc = vp.data() + c * Lp * D;
       const int64_t r0 = pb * kPromptPositions, rows = (std::min(n, r0 + kPromptPositions) - r0) * g;
@@ -2963,12 +2966,11 @@ void prompt_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* 
     float* sc = tmq::line_aligned(s_buf, KB * 16);          // [64 keys][16 rows]
     float* ot = tmq::line_aligned(o_buf, (D + 64) * 16);    // [D][16 rows], then a slab's tile sums
     float* slab = ot + D * 16;
-    tmq::load_tile_config({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
+    tmq::configure_bf16_tiles();  // eight tiles of 16 rows x 64 bytes, as the pair products'
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t = t0; t < t1; ++t) {
-      // Later positions cost more: tasks alternate between the cheapest and the dearest block left.
-      const int64_t h = t % H, i = t / H, pb = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+      const int64_t h = t % H, pb = cheap_then_dear(t / H, blocks);
       const int64_t c = h / g, r0 = pb * 16, rows = std::min<int64_t>(16, n - r0);
       const int64_t bottom = first + r0, top = bottom + rows - 1;
       for (int64_t w0 = 0; w0 < words; w0 += 16)
