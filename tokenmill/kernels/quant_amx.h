@@ -51,6 +51,10 @@ inline void load_tile_config(const uint8_t (&rows)[8], const uint16_t (&colsb)[8
   } c{};
   c.palette = 1;
   for (int t = 0; t < 8; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
+  // GCC's _tile_loadconfig tells the compiler it reads only a pointer's worth of the configuration, which
+  // lets it drop the stores above as dead (seen: ldtilecfg of a configuration without its rows and columns,
+  // a general-protection fault); the configuration escapes here, so every store is made first.
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
