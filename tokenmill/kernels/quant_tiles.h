@@ -407,6 +407,10 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
   constexpr bool nl = BASE == IQ4_NL;
   constexpr float bias = BASE == Q8_0 || nl ? -128.f : five ? -16.f : -8.f;
   const __m512i table = nl ? iq4_bytes(true) : _mm512_setzero_si512();
+  // Q4_0's and Q4_1's high nibbles are multiplied where they lie (byte & 0xF0: 16 times the code, no shift a
+  // code word); their sums, 16 times over, are shifted back exactly before they join the low nibbles'.
+  constexpr bool in_place = BASE == Q4_0 || BASE == Q4_1;
+  const __m512i high = _mm512_set1_epi8((char)0xF0);
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -427,7 +431,8 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
         c0 = _mm512_loadu_si512(w + 128 * t), c1 = _mm512_loadu_si512(w + 128 * t + 64), i0 = 2 * t, i1 = 2 * t + 1;
       } else {
         const __m512i v = _mm512_loadu_si512(w + 64 * t);
-        c0 = _mm512_and_si512(v, m4), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), i0 = t, i1 = 4 + t;
+        c0 = _mm512_and_si512(v, m4), i0 = t, i1 = 4 + t;
+        c1 = in_place ? _mm512_and_si512(v, high) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         if constexpr (nl) c0 = _mm512_shuffle_epi8(table, c0), c1 = _mm512_shuffle_epi8(table, c1);
         if constexpr (five) {
           c0 = _mm512_or_si512(c0, _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 4 * t), spread));
@@ -443,7 +448,8 @@ TM_INLINE void tile_product(const uint8_t* tile, int64_t nb, const QRow* x, floa
     __m512 m;
     if constexpr (has_min) m = half_lanes(blk + f.m);
     for (int r = 0; r < R; ++r) {  // d dx sum(c x), and the bias or offset times s
-      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
+      const __m512i s1r = in_place ? _mm512_srai_epi32(s1[r], 4) : s1[r];
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1r));
       acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
       if constexpr (has_min)
         off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].s[b]), off[r]);
@@ -477,10 +483,15 @@ struct SuperBlockInputs {
 // c x (at most 32 * 31 * 127) times its 6-bit scale sums in int32 over the super-block, as the mins times
 // the inputs' sub-block sums do; then one float multiply each. Q5_K's fifth bits: bit j of qh byte l is
 // element l's of sub-block j.
+// Q4_K's high nibbles are multiplied where they lie (byte & 0xF0: 16 times the code; no shift a code word),
+// so its integer sums come 16 times over and are shifted back once a super-block (exactly: every term is a
+// multiple of 16, and 16 times the largest sum, 8 * 32 * 15 * 127 * 63, still fits in int32); the mins'
+// products with the inputs' sub-block sums are taken two at a time as 16-bit pairs (vpdpwssd). Both give the
+// same integers as multiplying them out one by one.
 template <int R, bool FIVE, typename Ahead>
 TM_INLINE void tile_product_q45_k(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
   constexpr int64_t block = kTileRows * (FIVE ? 176 : 144);
-  const __m512i m4 = _mm512_set1_epi8(0xF);
+  const __m512i m4 = _mm512_set1_epi8(0xF), high = _mm512_set1_epi8((char)0xF0), words = _mm512_set1_epi32(0x00FF00FF);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -491,30 +502,35 @@ TM_INLINE void tile_product_q45_k(const uint8_t* tile, int64_t nb, const QRow* x
     const uint8_t* codes = blk + (FIVE ? kQ5KCodes : kQ4KCodes);
     const SuperBlockInputs<R> in(x, b);
     const auto& xw = in.xw;
+    // The mins as 16-bit words of each lane: sub-blocks (4q, 4q + 2) in even[q], (4q + 1, 4q + 3) in odd[q].
+    const __m512i even[2] = {_mm512_and_si512(mn[0], words), _mm512_and_si512(mn[1], words)};
+    const __m512i odd[2] = {_mm512_and_si512(_mm512_srli_epi32(mn[0], 8), words),
+                            _mm512_and_si512(_mm512_srli_epi32(mn[1], 8), words)};
     __m512i isum[R], imin[R];
     for (int r = 0; r < R; ++r) {
       const int16_t* s16 = in.s16[r];
-      auto xs = [&](int j) { return _mm512_set1_epi32((int)s16[2 * j] + (int)s16[2 * j + 1]); };
-      imin[r] = _mm512_mullo_epi32(lane_byte(mn[0], 0), xs(0));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[0], 1), xs(1)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[0], 2), xs(2)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[0], 3), xs(3)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[1], 0), xs(4)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[1], 1), xs(5)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[1], 2), xs(6)));
-      imin[r] = _mm512_add_epi32(imin[r], _mm512_mullo_epi32(lane_byte(mn[1], 3), xs(7)));
+      auto xs = [&](int j) { return (uint32_t)(uint16_t)(s16[2 * j] + s16[2 * j + 1]); };  // |sum| < 2^12
+      auto pair = [&](int j, int k) { return _mm512_set1_epi32((int)(xs(j) | xs(k) << 16)); };
+      imin[r] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), even[0], pair(0, 2));
+      imin[r] = _mm512_dpwssd_epi32(imin[r], odd[0], pair(1, 3));
+      imin[r] = _mm512_dpwssd_epi32(imin[r], even[1], pair(4, 6));
+      imin[r] = _mm512_dpwssd_epi32(imin[r], odd[1], pair(5, 7));
       isum[r] = _mm512_setzero_si512();
     }
     // Chunk c (64 elements): code word u's low nibbles are elements 4u.. of sub-block 2c, its high ones of 2c + 1.
+    // sa, sb: their scales (Q4_K: sa 16 times its scale, to match the high nibbles' factor).
     auto chunk = [&](int c, __m512i sa, __m512i sb) {
       __m512i s0[R], s1[R];
       for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
       for (int u = 0; u < 8; ++u) {
         const __m512i v = _mm512_loadu_si512(codes + 64 * (8 * c + u));
-        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        __m512i lo = _mm512_and_si512(v, m4), hi;
         if constexpr (FIVE) {  // qh word u: elements 4u.. of every chunk
+          hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
           const __m512i qh = _mm512_loadu_si512(blk + kQ5KHigh + 64 * u);
           lo = _mm512_or_si512(lo, fifth_bit(qh, 2 * c)), hi = _mm512_or_si512(hi, fifth_bit(qh, 2 * c + 1));
+        } else {
+          hi = _mm512_and_si512(v, high);
         }
         for (int r = 0; r < R; ++r) {
           s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(xw[r][16 * c + u]));
@@ -525,10 +541,13 @@ TM_INLINE void tile_product_q45_k(const uint8_t* tile, int64_t nb, const QRow* x
         isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(s0[r], sa), _mm512_mullo_epi32(s1[r], sb)));
     };
     // (Written out, not looped: the shifts inside take their counts as constants.)
-    chunk(0, lane_byte(sc[0], 0), lane_byte(sc[0], 1));
-    chunk(1, lane_byte(sc[0], 2), lane_byte(sc[0], 3));
-    chunk(2, lane_byte(sc[1], 0), lane_byte(sc[1], 1));
-    chunk(3, lane_byte(sc[1], 2), lane_byte(sc[1], 3));
+    auto low_scale = [&](__m512i v, int k) { return FIVE ? lane_byte(v, k) : _mm512_slli_epi32(lane_byte(v, k), 4); };
+    chunk(0, low_scale(sc[0], 0), lane_byte(sc[0], 1));
+    chunk(1, low_scale(sc[0], 2), lane_byte(sc[0], 3));
+    chunk(2, low_scale(sc[1], 0), lane_byte(sc[1], 1));
+    chunk(3, low_scale(sc[1], 2), lane_byte(sc[1], 3));
+    if constexpr (!FIVE)
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_srai_epi32(isum[r], 4);
     const __m512 d = half_lanes(blk), dmin = half_lanes(blk + 32);
     for (int r = 0; r < R; ++r) {
       const __m512 dx = _mm512_set1_ps(x[r].per256->d[b * (QKK / QK)]);
