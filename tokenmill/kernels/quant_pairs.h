@@ -130,20 +130,16 @@ TM_INLINE void q45_k_pairs(const uint8_t* blk, uint32_t* out) {
 // Q6_K: a super-block's 16 rows of 256 values -> 128 pair vectors.
 TM_INLINE void q6_k_pairs(const uint8_t* blk, uint32_t* out) {
   const __m512 d = half_lanes(blk + kQ6KD);
-  __m512 scale[16], offset[16];
-  for (int s = 0; s < 16; ++s) {  // scales word s / 4, byte s % 4 (int8)
-    const __m512i w = _mm512_loadu_si512(blk + kQ6KScales + 64 * (s / 4));
-    scale[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lane_sbyte(w, s % 4)));
-    offset[s] = _mm512_mul_ps(scale[s], _mm512_set1_ps(-32.f));
+  for (int s = 0; s < 16; ++s) {  // sub-block s: elements 16s + 4a + (0..3) in word a
+    const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + kQ6KScales + 16 * s)))));
+    const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(-32.f));
+    __m512i v[4];
+    q6_k_group(blk, s, v);
+    for (int a = 0; a < 4; ++a) {
+      const __m512i q[4] = {lane_byte(v[a], 0), lane_byte(v[a], 1), lane_byte(v[a], 2), lane_byte(v[a], 3)};
+      pair_values(q, scale, offset, out + 8 * (16 * s + 4 * a));
+    }
   }
-  for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 4; ++k)
-      for (int u = 0; u < 8; ++u) {  // elements e .. e + 3, of sub-block e / 16
-        const int e = 128 * h + 32 * k + 4 * u, s = e / 16;
-        const __m512i v = q6_k_codes(blk, h, k, u);
-        const __m512i q[4] = {lane_byte(v, 0), lane_byte(v, 1), lane_byte(v, 2), lane_byte(v, 3)};
-        pair_values(q, scale[s], offset[s], out + 8 * e);
-      }
 }
 
 // Q2_K, Q3_K and IQ4_XS: a super-block's 16 rows dequantized to bfloat16 as the row layout has them

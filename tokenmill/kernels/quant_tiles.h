@@ -16,8 +16,8 @@
 //   Q4_K  [16 float16 d] [16 float16 dmin] [3 x 64 bytes: word w of row j's 12 packed 6-bit scales and mins
 //         at 64w + 4j] [32 x 64 bytes: word t of row j's codes (qs) at 64t + 4j]
 //   Q5_K  as Q4_K, with [8 x 64 bytes: the fifth bits' words (qh)] between the scales and the codes
-//   Q6_K  [32 x 64 bytes: ql words] [16 x 64 bytes: qh words] [4 x 64 bytes: the 16 int8 scales' words]
-//         [16 float16 d]
+//   Q6_K  [16 x 3 x 64 bytes: sub-block i's 4 code words packed in 3 (q6_k_group)] [16 x 16 bytes: the int8
+//         scales, sub-block i's of row j at 16i + j] [16 float16 d]
 //   Q2_K  [16 float16 d] [16 float16 dmin] [4 x 64 bytes: scale-and-min words] [16 x 64 bytes: qs words]
 //   Q3_K  [16 float16 d] [3 x 64 bytes: packed scale words] [8 x 64 bytes: hmask words] [16 x 64 bytes: qs words]
 //   IQ4_XS [16 float16 d] [16 x 2 bytes: scales_h] [16 x 4 bytes: scales_l] [32 x 64 bytes: qs words]
@@ -94,10 +94,14 @@ struct KField {
 // Where the kernels find them in a tile block (the layout at the top of this file):
 constexpr int kQ4KScales = 64, kQ4KCodes = 256;         // Q4_K (and Q5_K): d at 0, dmin at 32
 constexpr int kQ5KHigh = 256, kQ5KCodes = 768;
-constexpr int kQ6KHigh = 2048, kQ6KScales = 3072, kQ6KD = 3328;  // Q6_K: ql at 0
+constexpr int kQ6KScales = 3072, kQ6KD = 3328;  // Q6_K: the packed code words at 0
 constexpr KField kQ4KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, kQ4KScales}, {16, 128, kQ4KCodes}};
 constexpr KField kQ5KFields[] = {{0, 2, 0}, {2, 2, 32}, {4, 12, kQ4KScales}, {16, 32, kQ5KHigh}, {48, 128, kQ5KCodes}};
-constexpr KField kQ6KFields[] = {{0, 128, 0}, {128, 64, kQ6KHigh}, {192, 16, kQ6KScales}, {208, 2, kQ6KD}};
+// Q6_K's code fields as GGUF has them (ql, then qh), by words of 16 rows: ql word t of row j at 64t + 4j, qh's
+// from kQ6KWordsHigh. A Q6_K tile block is packed from this at load (q6_k_pack) and unpacked to it to rebuild
+// GGUF's blocks (q6_k_unpack); its scales and d are moved byte by byte.
+constexpr int kQ6KWordsHigh = 2048, kQ6KWordBytes = 3072;
+constexpr KField kQ6KWordFields[] = {{0, 128, 0}, {128, 64, kQ6KWordsHigh}};
 // Q2_K: [16 float16 d] [16 float16 dmin] [4 x 64 bytes: the 16 scale-and-min bytes' words] [16 x 64: qs words]
 constexpr int kQ2KScales = 64, kQ2KCodes = 320;
 constexpr KField kQ2KFields[] = {{80, 2, 0}, {82, 2, 32}, {0, 16, kQ2KScales}, {16, 64, kQ2KCodes}};
@@ -122,7 +126,7 @@ inline KFields k_fields_of(int base) {
     case Q2_K: return {std::begin(kQ2KFields), std::end(kQ2KFields)};
     case Q3_K: return {std::begin(kQ3KFields), std::end(kQ3KFields)};
     case IQ4_XS: return {std::begin(kIQ4XSFields), std::end(kIQ4XSFields)};
-    default: return {std::begin(kQ6KFields), std::end(kQ6KFields)};
+    default: return {std::begin(kQ6KWordFields), std::end(kQ6KWordFields)};  // Q6_K: its code fields' words
   }
 }
 
@@ -139,8 +143,54 @@ inline void k_field(const KField& f, From* from, To* to, int j) {
     std::memcpy(to + (ToTile ? t : g), from + (ToTile ? g : t), 4);
   }
 }
+// Q6_K's 6-bit code of element e (< 256) of a GGUF block: its low 4 bits in ql, its top 2 in qh. For l < 32,
+// ql byte 64h + l holds elements 128h + l (low nibble) and 128h + 64 + l (high), ql byte 64h + 32 + l elements
+// 128h + 32 + l and 128h + 96 + l, qh byte 32h + l the top bits of all four (bits 0-1, 2-3, 4-5, 6-7).
+inline int q6_k_code(const uint8_t* g, int e) {
+  const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+  const int lq = g[64 * h + 32 * (k & 1) + l], hq = g[128 + 32 * h + l];
+  return ((k < 2 ? lq : lq >> 4) & 0xF) | ((hq >> (2 * k)) & 3) << 4;
+}
+inline void q6_k_set_code(uint8_t* g, int e, int c) {  // (into a block whose ql and qh start cleared)
+  const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+  g[64 * h + 32 * (k & 1) + l] |= (uint8_t)((c & 0xF) << (k < 2 ? 0 : 4));
+  g[128 + 32 * h + l] |= (uint8_t)((c >> 4) << (2 * k));
+}
+// Row j of a Q6_K tile block from its GGUF block, or back: in sub-block s, word a < 3 (elements 16s + 4a + i,
+// i < 4) at byte 192s + 64a + 4j + i, bits 0-5, and bits 2a and 2a + 1 of word 3's codes in bits 6-7 there.
+inline void q6_k_row_to_tile(const uint8_t* g, uint8_t* blk, int j) {
+  for (int s = 0; s < 16; ++s)
+    for (int i = 0; i < 4; ++i) {
+      const int top = q6_k_code(g, 16 * s + 12 + i);
+      for (int a = 0; a < 3; ++a)
+        blk[192 * s + 64 * a + 4 * j + i] = (uint8_t)(q6_k_code(g, 16 * s + 4 * a + i) | ((top >> (2 * a)) & 3) << 6);
+    }
+  for (int s = 0; s < 16; ++s) blk[kQ6KScales + 16 * s + j] = g[192 + s];
+  std::memcpy(blk + kQ6KD + 2 * j, g + 208, 2);
+}
+inline void q6_k_row_from_tile(const uint8_t* blk, uint8_t* g, int j) {
+  std::memset(g, 0, 192);
+  for (int s = 0; s < 16; ++s)
+    for (int i = 0; i < 4; ++i) {
+      int top = 0;
+      for (int a = 0; a < 3; ++a) {
+        const int v = blk[192 * s + 64 * a + 4 * j + i];
+        q6_k_set_code(g, 16 * s + 4 * a + i, v & 0x3F);
+        top |= (v >> 6) << (2 * a);
+      }
+      q6_k_set_code(g, 16 * s + 12 + i, top);
+    }
+  for (int s = 0; s < 16; ++s) g[192 + s] = blk[kQ6KScales + 16 * s + j];
+  std::memcpy(g + 208, blk + kQ6KD + 2 * j, 2);
+}
+
 template <bool ToTile, typename From, typename To>
 inline void k_fields(int base, From* from, To* to, int j) {
+  if (base == Q6_K) {
+    if constexpr (ToTile) q6_k_row_to_tile(from, to, j);
+    else q6_k_row_from_tile(from, to, j);
+    return;
+  }
   for (const KField& f : k_fields_of(base)) k_field<ToTile>(f, from, to, j);
 }
 
@@ -171,6 +221,75 @@ TM_INLINE void transpose_words(const uint8_t* in, int64_t ld, int count, int wor
       if (4 * l + e < words) _mm512_storeu_si512((void*)(out + 16 * (4 * l + e)), word[l]);
   }
 }
+
+// Q6_K in a tile block: sub-block s's 4 code words (word a: elements 16s + 4a .. 16s + 4a + 3 of the 16 rows,
+// a lane's 4 bytes) are 3 vectors, vector a < 3 holding word a's codes in bits 0-5 of its bytes and bits 2a
+// and 2a + 1 of word 3's in bits 6-7. Three words are one mask each; the fourth, where the CPU has GFNI, is
+// three byte-wise bit moves (gf2p8affine: bits 6-7 to 2a, 2a + 1, the rest cleared) and one OR of the three,
+// else three shifts and three logic operations (shifts by 16-bit lanes: the bits they bring in from the next
+// byte are cleared by the selects and the mask). Against GGUF's 4 + 2 bits, three loads a sub-block, not eight.
+TM_INLINE void q6_k_group(const uint8_t* blk, int s, __m512i v[4]) {
+  const __m512i m6 = _mm512_set1_epi8(0x3F);
+  const uint8_t* p = blk + 192 * s;
+  const __m512i s0 = _mm512_loadu_si512(p), s1 = _mm512_loadu_si512(p + 64), s2 = _mm512_loadu_si512(p + 128);
+  v[0] = _mm512_and_si512(s0, m6), v[1] = _mm512_and_si512(s1, m6), v[2] = _mm512_and_si512(s2, m6);
+#ifdef __GFNI__
+  // Byte 7 - i of a matrix names the source bits of result bit i: bits 6, 7 -> 0, 1 (2, 3; 4, 5).
+  auto moved = [](__m512i x, int a) {
+    return _mm512_gf2p8affine_epi64_epi8(x, _mm512_set1_epi64((int64_t)0x4080ll << (48 - 16 * a)), 0);
+  };
+  v[3] = _mm512_ternarylogic_epi32(moved(s0, 0), moved(s1, 1), moved(s2, 2), 0xFE);  // a | b | c
+#else
+  // 0xE4: the third operand's set bits take the first operand's, its clear bits the second's
+  const __m512i t = _mm512_ternarylogic_epi32(_mm512_srli_epi16(s0, 6), _mm512_srli_epi16(s1, 4), _mm512_set1_epi8(0x03), 0xE4);
+  v[3] = _mm512_and_si512(_mm512_ternarylogic_epi32(t, _mm512_srli_epi16(s2, 2), _mm512_set1_epi8(0x0F), 0xE4), m6);
+#endif
+}
+TM_INLINE __m512i q6_k_word(const uint8_t* blk, int t) {  // word t (elements 4t ..) alone
+  __m512i v[4];
+  q6_k_group(blk, t / 4, v);
+  return v[t % 4];
+}
+
+// Word t of 16 rows' codes from GGUF's fields as words (kQ6KWordFields' layout): element 4t + i is
+// 128h + 32k + 4u + i (t = 32h + 8k + u), its low bits in ql word 16h + 8 (k % 2) + u (low nibbles for k < 2),
+// its top bits at bits 2k of qh word 8h + u.
+TM_INLINE __m512i q6_k_gguf_word(const uint8_t* words, int t) {
+  const int h = t / 32, k = (t % 32) / 8, u = t % 8;
+  const __m512i m4 = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
+  const __m512i a = _mm512_loadu_si512(words + 64 * (16 * h + (k & 1) * 8 + u));
+  const __m512i hb = _mm512_loadu_si512(words + kQ6KWordsHigh + 64 * (8 * h + u));
+  const __m512i lo4 = k < 2 ? _mm512_and_si512(a, m4) : _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+  const __m512i hi2 = k == 0 ? _mm512_slli_epi16(hb, 4) : k == 1 ? _mm512_slli_epi16(hb, 2) : k == 2 ? hb : _mm512_srli_epi16(hb, 2);
+  return _mm512_ternarylogic_epi32(lo4, hi2, top, 0xF8);  // lo4 | (hi2 & top)
+}
+
+// A Q6_K tile block's code vectors (q6_k_group) from its rows' GGUF code words, and back.
+TM_INLINE void q6_k_pack(const uint8_t* words, uint8_t* blk) {
+  const __m512i m6 = _mm512_set1_epi8(0x3F);
+  for (int s = 0; s < 16; ++s) {
+    const __m512i w3 = q6_k_gguf_word(words, 4 * s + 3);
+    for (int a = 0; a < 3; ++a)  // bits 2a, 2a + 1 of word 3 up to bits 6-7
+      _mm512_storeu_si512(blk + 192 * s + 64 * a, _mm512_ternarylogic_epi32(q6_k_gguf_word(words, 4 * s + a),
+                                                                            _mm512_slli_epi16(w3, 6 - 2 * a), m6, 0xE4));
+  }
+}
+TM_INLINE void q6_k_unpack(const uint8_t* blk, uint8_t* words) {
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  for (int h = 0; h < 2; ++h)
+    for (int u = 0; u < 8; ++u) {
+      __m512i v[4];  // the codes of elements 128h + 32k + 4u .. (6 bits: bits 6-7 clear)
+      for (int k = 0; k < 4; ++k) v[k] = q6_k_word(blk, 32 * h + 8 * k + u);
+      _mm512_storeu_si512(words + 64 * (16 * h + u), _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(v[2], 4), m4, 0xE4));
+      _mm512_storeu_si512(words + 64 * (16 * h + 8 + u), _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(v[3], 4), m4, 0xE4));
+      const __m512i hb = _mm512_or_si512(
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v[0], 4), _mm512_set1_epi8(0x03)),
+                          _mm512_and_si512(_mm512_srli_epi16(v[1], 2), _mm512_set1_epi8(0x0C))),
+          _mm512_or_si512(_mm512_and_si512(v[2], _mm512_set1_epi8(0x30)),
+                          _mm512_and_si512(_mm512_slli_epi16(v[3], 2), _mm512_set1_epi8((char)0xC0))));
+      _mm512_storeu_si512(words + kQ6KWordsHigh + 64 * (8 * h + u), hb);
+    }
+}
 #endif
 
 // 16 rows of GGUF blocks (row_bytes apart, K elements each) -> one tile.
@@ -181,14 +300,24 @@ inline void tile_from_gguf(int base, const uint8_t* rows, int64_t row_bytes, int
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* blk = tile + b * tile_block_bytes(base);
 #if defined(TM_QUANT_AVX512) && !defined(TOKENMILL_SIMDE)
+      alignas(64) uint8_t words[kQ6KWordBytes];  // Q6_K: its code fields' words, then packed
+      uint8_t* to = base == Q6_K ? words : blk;
       for (const KField& f : k_fields_of(base)) {  // the words of 16 rows at a time
         const uint8_t* from = rows + b * gb + f.gguf;
         if (f.bytes == 2) {
-          for (int j = 0; j < kTileRows; ++j) std::memcpy(blk + f.tile + 2 * j, from + j * row_bytes, 2);
+          for (int j = 0; j < kTileRows; ++j) std::memcpy(to + f.tile + 2 * j, from + j * row_bytes, 2);
           continue;
         }
         for (int w0 = 0; w0 < f.bytes / 4; w0 += 16)
-          transpose_words(from + 4 * w0, row_bytes, kTileRows, std::min(16, f.bytes / 4 - w0), (uint32_t*)(blk + f.tile) + 16 * w0);
+          transpose_words(from + 4 * w0, row_bytes, kTileRows, std::min(16, f.bytes / 4 - w0), (uint32_t*)(to + f.tile) + 16 * w0);
+      }
+      if (base == Q6_K) {
+        q6_k_pack(words, blk);
+        for (int j = 0; j < kTileRows; ++j) {
+          const uint8_t* g = rows + j * row_bytes + b * gb;
+          for (int s = 0; s < 16; ++s) blk[kQ6KScales + 16 * s + j] = g[192 + s];
+          std::memcpy(blk + kQ6KD + 2 * j, g + 208, 2);
+        }
       }
 #else
       for (int j = 0; j < kTileRows; ++j) k_fields<true>(base, rows + j * row_bytes + b * gb, blk, j);
@@ -268,18 +397,6 @@ TM_INLINE void q4_k_scales(const uint8_t* blk, __m512i sc[2], __m512i mn[2]) {
                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), m2), 4));
 }
 
-// Q6_K: in half h, the 6-bit codes of elements 128h + 32k + 4u + (0..3) of the 16 rows (a lane's 4 bytes).
-// For l = 4u..4u + 3 (u < 8), ql word u holds elements l (low nibbles) and l + 64 (high), ql word 8 + u
-// elements l + 32 and l + 96, and qh word u the top bits of all four (bits 0-1, 2-3, 4-5, 6-7).
-TM_INLINE __m512i q6_k_codes(const uint8_t* blk, int h, int k, int u) {
-  const __m512i m4 = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
-  const __m512i a = _mm512_loadu_si512(blk + 64 * (16 * h + (k & 1) * 8 + u));
-  const __m512i hb = _mm512_loadu_si512(blk + kQ6KHigh + 64 * (8 * h + u));
-  const __m512i lo4 = k < 2 ? _mm512_and_si512(a, m4) : _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
-  const __m512i hi2 = k == 0 ? _mm512_slli_epi16(hb, 4) : k == 1 ? _mm512_slli_epi16(hb, 2) : k == 2 ? hb : _mm512_srli_epi16(hb, 2);
-  return _mm512_ternarylogic_epi32(lo4, hi2, top, 0xF8);  // lo4 | (hi2 & top)
-}
-
 // A K-format tile's 16 rows of nb super-blocks dequantized (dequantize_tile's, below): each super-block's 16
 // GGUF blocks rebuilt (word fields transposed in registers), then dequantize_row(_bf16) on each, so the same
 // bits as out of the row layout. (A bfloat16 prompt on a CPU with AVX-512 BF16 takes quant_pairs.h instead;
@@ -295,19 +412,28 @@ inline void dequantize_k_tile(int base, const uint8_t* tile, int64_t nb, T* y, i
     // them, after this one's dequantization.
     if (b + 1 < nb)
       for (int64_t off = 0; off < block; off += 64) __builtin_prefetch(blk + block + off, 0, 3);
+    alignas(64) uint8_t words[kQ6KWordBytes];  // Q6_K: its code fields' words, unpacked
+    const uint8_t* from = blk;
+    if (base == Q6_K) {
+      q6_k_unpack(blk, words), from = words;
+      for (int j = 0; j < kTileRows; ++j) {
+        for (int s = 0; s < 16; ++s) rows[j * gb + 192 + s] = blk[kQ6KScales + 16 * s + j];
+        std::memcpy(rows + j * gb + 208, blk + kQ6KD + 2 * j, 2);
+      }
+    }
     for (const KField& f : k_fields_of(base)) {
       if (f.bytes % 32 == 0) {  // 8 words of 16 rows at a time
         for (int g = 0; g < f.bytes / 32; ++g)
-          group_blocks_each<8>(blk + f.tile + 512 * g, [&](int j, __m256i v) {
+          group_blocks_each<8>(from + f.tile + 512 * g, [&](int j, __m256i v) {
             _mm256_storeu_si256((__m256i*)(rows + j * gb + f.gguf + 32 * g), v);
           });
       } else if (f.bytes % 16 == 0) {
         for (int g = 0; g < f.bytes / 16; ++g)
-          group_blocks_each<4>(blk + f.tile + 256 * g, [&](int j, __m128i v) {
+          group_blocks_each<4>(from + f.tile + 256 * g, [&](int j, __m128i v) {
             _mm_storeu_si128((__m128i*)(rows + j * gb + f.gguf + 16 * g), v);
           });
       } else {
-        for (int j = 0; j < kTileRows; ++j) k_field<false>(f, blk, rows + j * gb, j);
+        for (int j = 0; j < kTileRows; ++j) k_field<false>(f, from, rows + j * gb, j);
       }
     }
     for (int j = 0; j < kTileRows; ++j) {
@@ -558,10 +684,21 @@ TM_INLINE void tile_product_q45_k(const uint8_t* tile, int64_t nb, const QRow* x
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-// Q6_K, 16 rows a lane each: w = d sc_i (c - 32) in sub-block i (16 elements), c's low 4 bits in ql and its
-// top 2 in qh; against inputs with one scale per 256 (QRow::per256: q, d, sums16). A lane's sub-block sum
-// of c x less 32 times the inputs' sum there (at most 2^17 in size) times its signed 8-bit scale sums in
-// int32 over the super-block, then takes one float multiply.
+// Calls f(std::integral_constant<int, I>()) for I = 0 .. N - 1, written out, so that the shifts inside f
+// take their counts as constants.
+template <typename F, int... I>
+TM_INLINE void each_constant(const F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>()), ...);
+}
+template <int N, typename F>
+TM_INLINE void each_constant(const F& f) {
+  each_constant(f, std::make_integer_sequence<int, N>());
+}
+
+// Q6_K, 16 rows a lane each: w = d sc_i (c - 32) in sub-block i (16 elements), its 4 code words out of 3
+// vectors (q6_k_group); against inputs with one scale per 256 (QRow::per256: q, d, sums16). A lane's
+// sub-block sum of c x less 32 times the inputs' sum there (at most 2^16 in size) times its signed 8-bit scale
+// (a byte of 16, sign-extended from one load) sums in int32 over the super-block, then takes one float multiply.
 template <int R, typename Ahead>
 TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x, float* out, const Ahead& ahead) {
   constexpr int64_t block = kTileRows * 210;
@@ -570,52 +707,25 @@ TM_INLINE void tile_product_q6_k(const uint8_t* tile, int64_t nb, const QRow* x,
   for (int64_t b = 0; b < nb; ++b) {
     ahead(block);
     const uint8_t* blk = tile + b * block;
-    const uint8_t* sw = blk + kQ6KScales;
-    const __m512i scw[4] = {_mm512_loadu_si512(sw), _mm512_loadu_si512(sw + 64), _mm512_loadu_si512(sw + 128),
-                            _mm512_loadu_si512(sw + 192)};
     const SuperBlockInputs<R> in(x, b);
     const auto &xw = in.xw, &s16 = in.s16;
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    // Part k of sub-block pair (8h + 2k, 8h + 2k + 1): elements 128h + 32k + 4u.., u = 0..7 (q6_k_codes).
-    auto part = [&](int h, int k, __m512i sa, __m512i sb) {
-      const int i = 8 * h + 2 * k;  // the first sub-block (u < 4), then i + 1
-      __m512i s[R];
-      for (int half = 0; half < 2; ++half) {
-        for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(-32 * (int)s16[r][i + half]);
-        for (int u = 4 * half; u < 4 * half + 4; ++u) {
-          const __m512i c = q6_k_codes(blk, h, k, u);
-          for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], c, _mm512_set1_epi32(xw[r][32 * h + 8 * k + u]));
-        }
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(s[r], half ? sb : sa));
+    for (int s = 0; s < 16; ++s) {  // (a loop: nothing in it needs s as a constant)
+      __m512i v[4];
+      q6_k_group(blk, s, v);
+      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + kQ6KScales + 16 * s)));
+      for (int r = 0; r < R; ++r) {
+        __m512i p = _mm512_set1_epi32(-32 * (int)s16[r][s]);
+        for (int a = 0; a < 4; ++a) p = _mm512_dpbusd_epi32(p, v[a], _mm512_set1_epi32(xw[r][4 * s + a]));
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, scale));
       }
-    };
-    // Scale i: byte i % 4 of word i / 4. Pairs (8h + 2k, 8h + 2k + 1). (Written out, not looped: the
-    // shifts inside take their counts as constants; a loop measured 3x slower at one input row.)
-    part(0, 0, lane_sbyte(scw[0], 0), lane_sbyte(scw[0], 1));
-    part(0, 1, lane_sbyte(scw[0], 2), lane_sbyte(scw[0], 3));
-    part(0, 2, lane_sbyte(scw[1], 0), lane_sbyte(scw[1], 1));
-    part(0, 3, lane_sbyte(scw[1], 2), lane_sbyte(scw[1], 3));
-    part(1, 0, lane_sbyte(scw[2], 0), lane_sbyte(scw[2], 1));
-    part(1, 1, lane_sbyte(scw[2], 2), lane_sbyte(scw[2], 3));
-    part(1, 2, lane_sbyte(scw[3], 0), lane_sbyte(scw[3], 1));
-    part(1, 3, lane_sbyte(scw[3], 2), lane_sbyte(scw[3], 3));
+    }
     const __m512 d = half_lanes(blk + kQ6KD);
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r].per256->d[b * (QKK / QK)])), acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
-}
-
-// Calls f(std::integral_constant<int, I>()) for I = 0 .. N - 1, written out, so that the shifts inside f
-// take their counts as constants (as Q6_K's parts above are written out).
-template <typename F, int... I>
-TM_INLINE void each_constant(const F& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>()), ...);
-}
-template <int N, typename F>
-TM_INLINE void each_constant(const F& f) {
-  each_constant(f, std::make_integer_sequence<int, N>());
 }
 
 // Q2_K (Q3_K with THREE), 16 rows a lane each: w = d sc_s q - dmin m_s (Q3_K: d sc_s q) in sub-block s (16
