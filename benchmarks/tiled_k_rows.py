@@ -2,7 +2,8 @@
 rows, kernels/quant_tiles.h's tiles of 16 rows), the same random blocks, in one process: the byte products of
 1-16 input rows (a decode, verify or batched step) and a prompt chunk's product through dequantized weights
 (bfloat16 inputs), each pair timed alternately, medians of the per-round ratios. Shapes: a 1B Llama's (hidden
-2048, MLP 8192; its ffn_gate also as Q5_K, as a Q5_K_M file holds it, and as Q3_K, Q2_K and IQ4_XS) and
+2048, MLP 8192, its output layer of 49152 rows; its ffn_gate also as Q5_K, as a Q5_K_M file holds it, and as
+Q3_K, Q2_K and IQ4_XS) and
 Gemma 3 270M's K-format matrices (Q4_K attn_output 640 x 1024, Q6_K ffn_down 640 x 2048); then the 32-element
 formats: the 1B ffn_gate as Q4_0 and Q8_0, the default model's Q4_1 ffn_gate (1536 x 576) and Q8_0 output
 layer (49152 x 576), and that ffn_gate as IQ4_NL.
@@ -21,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SHAPES = [("1B ffn_gate", "Q4_K", 8192, 2048), ("1B ffn_gate", "Q5_K", 8192, 2048), ("1B ffn_down", "Q6_K", 2048, 8192),
+SHAPES = [("1B output", "Q6_K", 49152, 2048), ("1B ffn_gate", "Q4_K", 8192, 2048), ("1B ffn_gate", "Q5_K", 8192, 2048), ("1B ffn_down", "Q6_K", 2048, 8192),
           ("1B attn_q", "Q4_K", 2048, 2048),
           ("Gemma attn_output", "Q4_K", 640, 1024), ("Gemma ffn_down", "Q6_K", 640, 2048),
           ("1B ffn_gate", "Q3_K", 8192, 2048), ("1B ffn_gate", "Q2_K", 8192, 2048), ("1B ffn_gate", "IQ4_XS", 8192, 2048),

@@ -190,7 +190,7 @@ def test_bfloat16_prompt_rows_through_the_row_layout(kernels, qtype):
 
 
 def test_which_matrices_are_tiled():
-    """Whole tiles of a format with a tile kernel, where the CPU has VNNI (Q6_K only where it has no AMX); a
+    """Whole tiles of a format with a tile kernel, where the CPU has VNNI; a
     stacked expert tensor only where each expert's rows are whole tiles; none after set_tiles(False)."""
     m = quant.load()
     if m is None:
@@ -202,9 +202,7 @@ def test_which_matrices_are_tiled():
     assert not quant.QuantizedWeight.from_blocks(8, (40, 64), torch.from_numpy(data[:40])).tiled
     assert not quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=24).tiled
     assert quant.QuantizedWeight.from_blocks(8, (48, 64), torch.from_numpy(data), tile_rows=16).tiled == expect
-    q6 = random_blocks(T.Q6_K, 16, 256, rng)
-    assert quant.QuantizedWeight.from_blocks(14, (16, 256), torch.from_numpy(q6)).tiled == (expect and not m.amx)
-    for qtype in (T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL):
+    for qtype in (T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL):
         blocks = random_blocks(qtype, 16, 256, rng)
         assert quant.QuantizedWeight.from_blocks(int(qtype), (16, 256), torch.from_numpy(blocks)).tiled == expect
     mx = random_blocks(T.MXFP4, 16, 256, rng)  # (no tile kernel)

@@ -185,7 +185,7 @@ def test_fused_decode_step_agrees_with_the_module_path(quantized_files, variant,
         layer = LLM(path, dtype=dtype, kv_cache_memory="16MiB").engine.model.layers[0]
         parts = layer.self_attn.qkv_proj.qparts + layer.mlp.down_proj.qparts
         assert {p.name for p in parts} == {variant[:4], "Q6_K"}
-        assert all(p.tiled == bool(m.vnni and not (m.amx and p.name == "Q6_K")) for p in parts)
+        assert all(p.tiled == bool(m.vnni) for p in parts)
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 2 * i)] for i in range(33)]
     greedy, sampled = _decode_runs(path, dtype, True, prompts)
     reference = _engine(path)

@@ -33,11 +33,6 @@ FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q
 # the row layout (to compare the two).
 TILED = 256
 _TILE_FORMATS = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS
-# Where the CPU has AMX, Q6_K keeps the row layout: on a Sapphire Rapids-class Xeon its row kernel took
-# 0.81-0.96x the tile kernel's time for 1-8 input rows, and AMX's panels (16 rows and more) read rows; the
-# other formats' tiles ran at 0.94-1.14x the rows' speed there for 1-16 rows (Q8_0), 1.07-2.3x (the rest)
-# (benchmarks/tiled_k_rows.py).
-_AMX_ROWS = (14,)
 _tiles = os.environ.get("TOKENMILL_QUANT_TILES", "1") != "0"
 
 _module = None
@@ -166,11 +161,9 @@ def set_tiles(on: bool) -> None:
 
 def tiles_for(qtype: int, rows: int) -> bool:
     """Whether a matrix of `rows` rows in GGUF format `qtype` is stored in tiles of 16 rows: where its format
-    has a tile kernel, its rows are whole tiles, and the kernels take AVX-512 VNNI (on CPUs with AMX, not
-    Q6_K: _AMX_ROWS)."""
+    has a tile kernel, its rows are whole tiles, and the kernels take AVX-512 VNNI."""
     m = load()
-    return (_tiles and qtype in _TILE_FORMATS and rows % 16 == 0 and m is not None and m.vnni
-            and not (m.amx and qtype in _AMX_ROWS))
+    return _tiles and qtype in _TILE_FORMATS and rows % 16 == 0 and m is not None and m.vnni
 
 
 def type_name(qtype: int) -> str:
