@@ -156,6 +156,12 @@ inline void q6_k_set_code(uint8_t* g, int e, int c) {  // (into a block whose ql
   g[64 * h + 32 * (k & 1) + l] |= (uint8_t)((c & 0xF) << (k < 2 ? 0 : 4));
   g[128 + 32 * h + l] |= (uint8_t)((c >> 4) << (2 * k));
 }
+// Row j's 16 scales and d between its GGUF block (g) and a Q6_K tile block (blk), either way.
+template <bool ToTile, typename From, typename To>
+inline void q6_k_scales_d(From* from, To* to, int j) {
+  for (int s = 0; s < 16; ++s) to[ToTile ? kQ6KScales + 16 * s + j : 192 + s] = from[ToTile ? 192 + s : kQ6KScales + 16 * s + j];
+  std::memcpy(to + (ToTile ? kQ6KD + 2 * j : 208), from + (ToTile ? 208 : kQ6KD + 2 * j), 2);
+}
 // Row j of a Q6_K tile block from its GGUF block, or back: in sub-block s, word a < 3 (elements 16s + 4a + i,
 // i < 4) at byte 192s + 64a + 4j + i, bits 0-5, and bits 2a and 2a + 1 of word 3's codes in bits 6-7 there.
 inline void q6_k_row_to_tile(const uint8_t* g, uint8_t* blk, int j) {
@@ -165,8 +171,7 @@ inline void q6_k_row_to_tile(const uint8_t* g, uint8_t* blk, int j) {
       for (int a = 0; a < 3; ++a)
         blk[192 * s + 64 * a + 4 * j + i] = (uint8_t)(q6_k_code(g, 16 * s + 4 * a + i) | ((top >> (2 * a)) & 3) << 6);
     }
-  for (int s = 0; s < 16; ++s) blk[kQ6KScales + 16 * s + j] = g[192 + s];
-  std::memcpy(blk + kQ6KD + 2 * j, g + 208, 2);
+  q6_k_scales_d<true>(g, blk, j);
 }
 inline void q6_k_row_from_tile(const uint8_t* blk, uint8_t* g, int j) {
   std::memset(g, 0, 192);
@@ -180,8 +185,7 @@ inline void q6_k_row_from_tile(const uint8_t* blk, uint8_t* g, int j) {
       }
       q6_k_set_code(g, 16 * s + 12 + i, top);
     }
-  for (int s = 0; s < 16; ++s) g[192 + s] = blk[kQ6KScales + 16 * s + j];
-  std::memcpy(g + 208, blk + kQ6KD + 2 * j, 2);
+  q6_k_scales_d<false>(blk, g, j);
 }
 
 template <bool ToTile, typename From, typename To>
@@ -245,11 +249,6 @@ TM_INLINE void q6_k_group(const uint8_t* blk, int s, __m512i v[4]) {
   v[3] = _mm512_and_si512(_mm512_ternarylogic_epi32(t, _mm512_srli_epi16(s2, 2), _mm512_set1_epi8(0x0F), 0xE4), m6);
 #endif
 }
-TM_INLINE __m512i q6_k_word(const uint8_t* blk, int t) {  // word t (elements 4t ..) alone
-  __m512i v[4];
-  q6_k_group(blk, t / 4, v);
-  return v[t % 4];
-}
 
 // Word t of 16 rows' codes from GGUF's fields as words (kQ6KWordFields' layout): element 4t + i is
 // 128h + 32k + 4u + i (t = 32h + 8k + u), its low bits in ql word 16h + 8 (k % 2) + u (low nibbles for k < 2),
@@ -276,17 +275,19 @@ TM_INLINE void q6_k_pack(const uint8_t* words, uint8_t* blk) {
 }
 TM_INLINE void q6_k_unpack(const uint8_t* blk, uint8_t* words) {
   const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512i codes[64];  // word t: the codes of elements 4t .. (6 bits: bits 6-7 clear)
+  for (int s = 0; s < 16; ++s) q6_k_group(blk, s, codes + 4 * s);
   for (int h = 0; h < 2; ++h)
     for (int u = 0; u < 8; ++u) {
-      __m512i v[4];  // the codes of elements 128h + 32k + 4u .. (6 bits: bits 6-7 clear)
-      for (int k = 0; k < 4; ++k) v[k] = q6_k_word(blk, 32 * h + 8 * k + u);
-      _mm512_storeu_si512(words + 64 * (16 * h + u), _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(v[2], 4), m4, 0xE4));
-      _mm512_storeu_si512(words + 64 * (16 * h + 8 + u), _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(v[3], 4), m4, 0xE4));
+      const __m512i* v = codes + 32 * h + u;  // v[8k]: elements 128h + 32k + 4u ..
+      const __m512i v0 = v[0], v1 = v[8], v2 = v[16], v3 = v[24];
+      _mm512_storeu_si512(words + 64 * (16 * h + u), _mm512_ternarylogic_epi32(v0, _mm512_slli_epi16(v2, 4), m4, 0xE4));
+      _mm512_storeu_si512(words + 64 * (16 * h + 8 + u), _mm512_ternarylogic_epi32(v1, _mm512_slli_epi16(v3, 4), m4, 0xE4));
       const __m512i hb = _mm512_or_si512(
-          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v[0], 4), _mm512_set1_epi8(0x03)),
-                          _mm512_and_si512(_mm512_srli_epi16(v[1], 2), _mm512_set1_epi8(0x0C))),
-          _mm512_or_si512(_mm512_and_si512(v[2], _mm512_set1_epi8(0x30)),
-                          _mm512_and_si512(_mm512_slli_epi16(v[3], 2), _mm512_set1_epi8((char)0xC0))));
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v0, 4), _mm512_set1_epi8(0x03)),
+                          _mm512_and_si512(_mm512_srli_epi16(v1, 2), _mm512_set1_epi8(0x0C))),
+          _mm512_or_si512(_mm512_and_si512(v2, _mm512_set1_epi8(0x30)),
+                          _mm512_and_si512(_mm512_slli_epi16(v3, 2), _mm512_set1_epi8((char)0xC0))));
       _mm512_storeu_si512(words + kQ6KWordsHigh + 64 * (8 * h + u), hb);
     }
 }
@@ -313,11 +314,7 @@ inline void tile_from_gguf(int base, const uint8_t* rows, int64_t row_bytes, int
       }
       if (base == Q6_K) {
         q6_k_pack(words, blk);
-        for (int j = 0; j < kTileRows; ++j) {
-          const uint8_t* g = rows + j * row_bytes + b * gb;
-          for (int s = 0; s < 16; ++s) blk[kQ6KScales + 16 * s + j] = g[192 + s];
-          std::memcpy(blk + kQ6KD + 2 * j, g + 208, 2);
-        }
+        for (int j = 0; j < kTileRows; ++j) q6_k_scales_d<true>(rows + j * row_bytes + b * gb, blk, j);
       }
 #else
       for (int j = 0; j < kTileRows; ++j) k_fields<true>(base, rows + j * row_bytes + b * gb, blk, j);
@@ -416,10 +413,7 @@ inline void dequantize_k_tile(int base, const uint8_t* tile, int64_t nb, T* y, i
     const uint8_t* from = blk;
     if (base == Q6_K) {
       q6_k_unpack(blk, words), from = words;
-      for (int j = 0; j < kTileRows; ++j) {
-        for (int s = 0; s < 16; ++s) rows[j * gb + 192 + s] = blk[kQ6KScales + 16 * s + j];
-        std::memcpy(rows + j * gb + 208, blk + kQ6KD + 2 * j, 2);
-      }
+      for (int j = 0; j < kTileRows; ++j) q6_k_scales_d<false>(blk, rows + j * gb, j);
     }
     for (const KField& f : k_fields_of(base)) {
       if (f.bytes % 32 == 0) {  // 8 words of 16 rows at a time
