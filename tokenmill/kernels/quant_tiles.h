@@ -739,7 +739,6 @@ TM_INLINE void tile_product_q23_k(const uint8_t* tile, int64_t nb, const QRow* x
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    ahead(block);
     const uint8_t* blk = tile + b * block;
     const SuperBlockInputs<R> in(x, b);
     const auto &xw = in.xw, &s16 = in.s16;
@@ -765,6 +764,7 @@ TM_INLINE void tile_product_q23_k(const uint8_t* tile, int64_t nb, const QRow* x
     // Sub-blocks 8h + 2j and 8h + 2j + 1: qs words 8h + u (u < 4, then 4 .. 7).
     each_constant<8>([&](auto hj) {
       constexpr int h = decltype(hj)::value / 4, j = decltype(hj)::value % 4;
+      if constexpr (j % 2 == 0) ahead(block / 4);  // a quarter super-block at a time (see tile_product_q45_k)
       for (int half = 0; half < 2; ++half) {
         const int sb = 8 * h + 2 * j + half;
         __m512i sc;  // sub-block sb's scale, a lane per row
@@ -815,7 +815,6 @@ TM_INLINE void tile_product_iq4_xs(const uint8_t* tile, int64_t nb, const QRow* 
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    ahead(block);
     const uint8_t* blk = tile + b * block;
     const __m512i sl = _mm512_loadu_si512(blk + kIQ4XSLow);
     const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(blk + kIQ4XSHigh)));
@@ -825,6 +824,7 @@ TM_INLINE void tile_product_iq4_xs(const uint8_t* tile, int64_t nb, const QRow* 
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     each_constant<8>([&](auto jc) {
       constexpr int j = decltype(jc)::value;
+      if constexpr (j % 2 == 0) ahead(block / 4);  // a quarter super-block at a time (see tile_product_q45_k)
       const __m512i sc = _mm512_sub_epi32(
           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(sl, 4 * j), m4w),
                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(sh, 2 * j), _mm512_set1_epi32(3)), 4)),
