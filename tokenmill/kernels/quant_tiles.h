@@ -950,15 +950,9 @@ inline void tile_product_k_portable(int base, const uint8_t* tile, int64_t nb, c
           std::memcpy(&h, row + 2, 2);
           acc = std::fma(-(float)imin, fp16(h) * dx, acc);
         } else {
-          for (int i = 0; i < 16; ++i) {  // sub-block i: elements 16i.. (half i / 8, part (i % 8) / 2)
-            const int hh = i / 8, k = (i % 8) / 2;
+          for (int i = 0; i < 16; ++i) {  // sub-block i: elements 16i..
             int dot = -32 * s16[i];
-            for (int e = 0; e < 16; ++e) {
-              const int l = 16 * (i % 2) + e;
-              const uint8_t lq = row[64 * hh + 32 * (k % 2) + l], hq = row[128 + 32 * hh + l];
-              const int c = ((k < 2 ? lq : lq >> 4) & 0xF) | (((hq >> (2 * k)) & 3) << 4);
-              dot += c * xq[16 * i + e];
-            }
+            for (int e = 0; e < 16; ++e) dot += q6_k_code(row, 16 * i + e) * xq[16 * i + e];
             isum += (int8_t)row[192 + i] * dot;
           }
           std::memcpy(&h, row + 208, 2);
