@@ -11,10 +11,23 @@ import torch
 from tests.conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.request import Request
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.sample.sampler import Sampler, _nucleus_sorted, apply_penalties, filter_logits
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 20000
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def sampler_path(request, monkeypatch):
+    """The sampler's two ways of drawing on the CPU: the kernel (sample_rows) and torch's operations."""
+    if request.param == "kernel":
+        if cpu_kernels.load() is None:
+            pytest.skip("no CPU kernels on this machine")
+        monkeypatch.setattr(cpu_kernels, "SAMPLE_KERNEL", True)
+    else:
+        monkeypatch.setattr(cpu_kernels, "SAMPLE_KERNEL", False)
+    return request.param
 
 
 def expected(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
@@ -58,7 +71,7 @@ def draw(params: SamplingParams, n: int = N) -> np.ndarray:
     {"temperature": 0.7, "top_p": 0.5, "top_k": 5},
     {"temperature": 1.0, "min_p": 0.2},
 ])
-def test_sampling_distribution(kwargs):
+def test_sampling_distribution(kwargs, sampler_path):
     observed = draw(SamplingParams(**kwargs))
     target = expected(LOGITS.numpy().astype(np.float64), **kwargs)
     # Tokens outside the allowed set must never appear; the rest within sampling noise.
@@ -99,7 +112,7 @@ def test_filter_keeps_the_nucleus_over_a_large_vocabulary(scale, top_k, top_p, b
         assert differ.sum() <= 2 and np.all(np.abs(before[differ] - top_p) < 1e-4), (differ.sum(), want.sum())
 
 
-def test_greedy_is_argmax():
+def test_greedy_is_argmax(sampler_path):
     observed = draw(SamplingParams(temperature=0), n=50)
     assert observed[0] == 1.0
 
@@ -170,7 +183,7 @@ def test_penalties_hand_computed():
     assert torch.allclose(logits, torch.tensor([[2.0, -2.0, -0.5, 0.5, -2.0]]))
 
 
-def test_overflowing_logits_still_draw_a_token_of_the_vocabulary(tiny_models):
+def test_overflowing_logits_still_draw_a_token_of_the_vocabulary(tiny_models, sampler_path):
     """A repetition penalty just above 0 (or a tiny temperature) overflows the penalised logits to inf, and
     the softmax of a row holding inf is NaN: the draw must still give a token of the vocabulary, the one at
     inf where there is one, and a row with nothing to draw from its greedy choice."""
@@ -248,7 +261,7 @@ def _large_row(kind: str) -> torch.Tensor:
     ("flat", {"temperature": 1.0, "min_p": 0.3}),
     ("flat", {"temperature": 1.5, "min_p": 0.001}),  # min-p keeps tokens past the ranked ones
 ])
-def test_sampling_distribution_over_a_large_vocabulary(kind, kwargs):
+def test_sampling_distribution_over_a_large_vocabulary(kind, kwargs, sampler_path):
     """Truncated sampling draws from the highest logits alone where it can; the draws follow the
     definition (numpy, float64) over a 20,000-token vocabulary: the ten leading tokens one by one, the
     rest of the kept set as one bin, and nothing outside it."""
@@ -267,3 +280,54 @@ def test_sampling_distribution_over_a_large_vocabulary(kind, kwargs):
     nz = bins_exp > 0
     chi2 = n * np.sum((bins_obs[nz] - bins_exp[nz]) ** 2 / bins_exp[nz])
     assert chi2 < 31.3, (bins_obs, bins_exp)  # 99.9% quantile for 10 degrees of freedom (29.6 for 10, 31.3 for 11 bins)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 0.8},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.7, "top_k": 40, "min_p": 0.02},
+])
+def test_the_kernel_draws_from_bfloat16_rows_with_masked_tokens(kwargs):
+    """The kernel draws from the model's bfloat16 logits as they are: the definition's distribution over the
+    values bfloat16 holds, ties (bfloat16 has many) included, and never a -inf or NaN token."""
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.skip("no CPU kernels on this machine")
+    row = _large_row("moderate").to(torch.bfloat16)
+    row[3], row[11], row[12] = float("-inf"), float("nan"), float("-inf")  # a leading token masked, two in the tail
+    exact = row.double()
+    exact[11] = float("-inf")  # a NaN logit counts as -inf
+    target = expected(exact.numpy(), **kwargs)
+    n = 20000
+    reqs = [Request(str(i), [0], SamplingParams(seed=i, **kwargs), 16) for i in range(n)]
+    p = reqs[0].sampling_params
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    tokens = kernel.sample_rows(row.repeat(n, 1), torch.full((n,), p.temperature), torch.full((n,), p.top_k),
+                                torch.full((n,), p.top_p), torch.full((n,), p.min_p), u)
+    counts = np.bincount(tokens.numpy(), minlength=row.shape[0])
+    assert counts[target == 0].sum() == 0 and counts[[3, 11, 12]].sum() == 0
+    bins_obs = np.append(counts[:10], counts[10:].sum()) / n
+    bins_exp = np.append(target[:10], target[10:].sum())
+    nz = bins_exp > 0
+    chi2 = n * np.sum((bins_obs[nz] - bins_exp[nz]) ** 2 / bins_exp[nz])
+    assert chi2 < 29.6, (bins_obs, bins_exp)  # 99.9% quantile, 10 degrees of freedom (10 bins in use)
+    # u alone picks the token: the same numbers give the same tokens.
+    again = kernel.sample_rows(row.repeat(n, 1), torch.full((n,), p.temperature), torch.full((n,), p.top_k),
+                               torch.full((n,), p.top_p), torch.full((n,), p.min_p), u)
+    assert torch.equal(tokens, again)
+
+
+def test_the_kernels_greedy_rows_and_empty_rows():
+    """Temperature 0 is the argmax (the first of equal ones), and a row with no finite logit gives -1 (the
+    sampler then takes its greedy choice) in the kernel; the sampler batches greedy and random rows."""
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.skip("no CPU kernels on this machine")
+    rows = torch.tensor([[0.5, 3.0, 3.0, -1.0], [float("nan")] * 4, [float("-inf")] * 4, [1.0, 2.0, 0.0, 9.0]])
+    out = kernel.sample_rows(rows, torch.tensor([0.0, 1.0, 1.0, 1e-4]), torch.zeros(4, dtype=torch.long),
+                             torch.ones(4), torch.zeros(4), torch.full((4,), 0.5, dtype=torch.float64))
+    assert out.tolist() == [1, -1, -1, 3]
+    sampler = Sampler(4, seed=0)
+    reqs = [Request("g", [0], SamplingParams(temperature=0), 8), Request("r", [0], SamplingParams(temperature=1.0), 8)]
+    tokens, _ = sampler(torch.tensor([[0.0, 1.0, 5.0, 2.0], [float("-inf"), float("-inf"), 0.0, float("-inf")]]), reqs)
+    assert tokens == [2, 2]

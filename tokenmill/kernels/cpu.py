@@ -387,6 +387,18 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+# TOKENMILL_SAMPLER=torch keeps the sampler's torch path on the CPU too (the kernel's reference).
+SAMPLE_KERNEL = os.environ.get("TOKENMILL_SAMPLER", "kernel") != "torch"
+
+
+def sampler_kernel(x: torch.Tensor) -> object | None:
+    """The kernel module where it draws tokens from rows like x (2-D float32 or bfloat16 on the CPU), else None."""
+    if (SAMPLE_KERNEL and _module is not None and x.device.type == "cpu" and x.dim() == 2
+            and x.dtype in (torch.float32, torch.bfloat16) and 0 < x.shape[1] < 2**31):
+        return _module
+    return None
+
+
 def head_dim_ok(head_dim: int) -> bool:
     """Whether the attention kernels take this head size (multiples of 16 up to 128, and 256)."""
     return head_dim % 16 == 0 and head_dim >= 16 and (head_dim <= 128 or head_dim == 256)

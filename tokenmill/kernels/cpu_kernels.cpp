@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <limits>
 #include <cmath>
@@ -3221,6 +3222,222 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// ------------------------------------------------------------------------------------------ sampling
+
+// One token drawn from softmax(row / temperature) under top-k, top-p and min-p, by inverting the kept
+// tokens' cumulative weights at u in [0, 1); the argmax where temperature is 0. The same definitions as
+// the sampler's torch path (tokenmill/sample/sampler.py): a NaN logit is -inf and +inf the largest float
+// after the division; top-k keeps the k largest (of equal ones, the first), renormalised among them;
+// top-p keeps tokens, largest first, while the probability ranked above them stays under top_p (the
+// first always); min-p keeps tokens of at least min_p times the largest one's probability. A token of
+// weight 0 (a -inf logit) is never drawn. -1 where no logit is finite (the caller's fallback).
+//
+// Two passes over the row give the weights w = exp(y - max) and their sum; truncation then ranks only
+// the tokens above the first of a few thresholds on w (e^-1, e^-2, ... e^-64, all) that holds top_k
+// tokens or top_p of the mass, where the definitions' cut must fall, so that a few hundred tokens are
+// sorted rather than the vocabulary.
+class RowSampler {
+ public:
+  template <typename T>
+  int64_t draw(const T* row, int64_t V, float temperature, int64_t top_k, float top_p, float min_p, double u) {
+    if (!(temperature > 0.f)) return argmax_row(row, V);
+    w_.resize(V);
+    float* w = w_.data();
+    const float m = scaled(row, V, temperature, w);
+    if (m == -INFINITY) return -1;
+    const double total = weigh(w, V, m);
+    const bool by_k = top_k > 0 && top_k < V;
+    if (!by_k && !(top_p < 1.f)) return draw_all(w, V, min_p, u);
+    for (int level = first_level(w, V, by_k ? top_k : 0, by_k ? 2.0 : top_p * total); ; ++level) {
+      ranked(w, V, level);
+      if (by_k && (int64_t)cand_.size() > top_k) cand_.resize(top_k);
+      double mass = 0.0;
+      for (const auto& c : cand_) mass += c.first;
+      const double set_total = by_k ? mass : total;  // top-k renormalises among its k
+      size_t keep = cand_.size();
+      if (top_p < 1.f) {
+        double before = 0.0;
+        for (keep = 0; keep < cand_.size(); ++keep) {
+          if (keep > 0 && before >= (double)top_p * set_total) break;
+          before += cand_[keep].first;
+        }
+        // The nucleus did not close among these: it reaches tokens below this threshold.
+        if (keep == cand_.size() && !by_k && level < kLevels && before < (double)top_p * set_total) continue;
+      }
+      while (keep > 1 && cand_[keep - 1].first < min_p) --keep;  // largest first: the tail goes
+      double kept = 0.0;
+      for (size_t j = 0; j < keep; ++j) kept += cand_[j].first;
+      const double target = u * kept;
+      double cum = 0.0;
+      for (size_t j = 0; j < keep; ++j) {
+        cum += cand_[j].first;
+        if (cum > target) return cand_[j].second;
+      }
+      return cand_[keep - 1].second;  // u * kept rounded up to kept
+    }
+  }
+
+ private:
+  static constexpr int kLevels = 7;  // thresholds e^-1 .. e^-64, then every token of positive weight
+  static float level_floor(int level) {
+    static const float floors[kLevels] = {0.36787944f, 0.13533528f, 0.01831564f, 3.3546263e-4f,
+                                          1.1253517e-7f, 1.2664166e-14f, 1.6038109e-28f};
+    return level < kLevels ? floors[level] : std::numeric_limits<float>::denorm_min();
+  }
+
+  // w[i] = row[i] / temperature (NaN: -inf, +inf: the largest float); returns their maximum.
+  template <typename T>
+  static float scaled(const T* row, int64_t V, float temperature, float* w) {
+    const __m512 t = _mm512_set1_ps(temperature), big = _mm512_set1_ps(FLT_MAX), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax = ninf;
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) {
+      __m512 y = _mm512_div_ps(load16(row + i), t);
+      y = _mm512_mask_mov_ps(_mm512_min_ps(y, big), _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), ninf);
+      _mm512_storeu_ps(w + i, y);
+      vmax = _mm512_max_ps(vmax, y);
+    }
+    float m = _mm512_reduce_max_ps(vmax);
+    for (; i < V; ++i) {
+      float y = to_float(row[i]) / temperature;
+      y = std::isnan(y) ? -INFINITY : std::min(y, FLT_MAX);
+      w[i] = y;
+      m = std::max(m, y);
+    }
+    return m;
+  }
+
+  // w[i] = exp(w[i] - m), 0 for -inf; returns their sum, in the order chunk_sum adds them.
+  static double weigh(float* w, int64_t V, float m) {
+    const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) {
+      const __m512 y = _mm512_loadu_ps(w + i);
+      const __mmask16 finite = _mm512_cmp_ps_mask(y, ninf, _CMP_NEQ_OQ);
+      _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(finite, exp_ps(_mm512_sub_ps(y, vm))));
+    }
+    for (; i < V; ++i) w[i] = w[i] == -INFINITY ? 0.f : std::exp(w[i] - m);
+    double total = 0.0;
+    for (int64_t c = 0; c < V; c += kChunk) total += chunk_sum(w, c, std::min(V, c + kChunk), 0.f);
+    return total;
+  }
+
+  static constexpr int64_t kChunk = 256;
+  // The sum of w[i] >= floor over [a, b): 16 lanes, then across them.
+  static float chunk_sum(const float* w, int64_t a, int64_t b, float floor) {
+    const __m512 f = _mm512_set1_ps(floor);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = a;
+    for (; i + 16 <= b; i += 16) {
+      const __m512 v = _mm512_loadu_ps(w + i);
+      acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(v, f, _CMP_GE_OQ), acc, v);
+    }
+    float s = _mm512_reduce_add_ps(acc);
+    for (; i < b; ++i) s += w[i] >= floor ? w[i] : 0.f;
+    return s;
+  }
+
+  // No top-k or top-p: tokens of weight >= min_p (all, where it is 0), drawn in vocabulary order. The
+  // chunk holding the target is found from chunk sums made as the total's were, then walked token by token.
+  static int64_t draw_all(const float* w, int64_t V, float min_p, double u) {
+    double kept = 0.0;
+    for (int64_t c = 0; c < V; c += kChunk) kept += chunk_sum(w, c, std::min(V, c + kChunk), min_p);
+    const double target = u * kept;
+    double cum = 0.0;
+    int64_t last = -1;
+    for (int64_t c = 0; c < V; c += kChunk) {
+      const int64_t e = std::min(V, c + kChunk);
+      const float s = chunk_sum(w, c, e, min_p);
+      if (cum + s <= target && e < V) {
+        cum += s;
+        continue;
+      }
+      for (int64_t i = c; i < e; ++i) {
+        if (!(w[i] >= min_p) || w[i] == 0.f) continue;
+        last = i;
+        cum += w[i];
+        if (cum > target) return i;
+      }
+      if (last >= 0) return last;  // the chunk's token-by-token sum rounded below its vector sum
+    }
+    return last;
+  }
+
+  // The first threshold level holding at least k tokens (k > 0), or at least `mass` of weight.
+  static int first_level(const float* w, int64_t V, int64_t k, double mass) {
+    int64_t count[kLevels] = {};
+    double sum[kLevels] = {};
+    __m512 lv[kLevels];
+    for (int l = 0; l < kLevels; ++l) lv[l] = _mm512_set1_ps(level_floor(l));
+    for (int64_t c = 0; c < V; c += kChunk) {
+      const int64_t e = std::min(V, c + kChunk);
+      __m512 acc[kLevels];
+      for (int l = 0; l < kLevels; ++l) acc[l] = _mm512_setzero_ps();
+      int64_t i = c;
+      for (; i + 16 <= e; i += 16) {
+        const __m512 v = _mm512_loadu_ps(w + i);
+        for (int l = 0; l < kLevels; ++l) {
+          const __mmask16 in = _mm512_cmp_ps_mask(v, lv[l], _CMP_GE_OQ);
+          count[l] += __builtin_popcount(in);
+          acc[l] = _mm512_mask_add_ps(acc[l], in, acc[l], v);
+        }
+      }
+      for (int l = 0; l < kLevels; ++l) {
+        float s = _mm512_reduce_add_ps(acc[l]);
+        for (int64_t j = i; j < e; ++j)
+          if (w[j] >= level_floor(l)) s += w[j], ++count[l];
+        sum[l] += s;
+      }
+    }
+    for (int l = 0; l < kLevels; ++l)
+      if (k > 0 ? count[l] >= k : sum[l] >= mass) return l;
+    return kLevels;
+  }
+
+  // cand_: the tokens of weight >= the level's floor (and > 0), largest first, equal ones by index.
+  void ranked(const float* w, int64_t V, int level) {
+    const float floor = level_floor(level);
+    cand_.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (w[i] >= floor) cand_.emplace_back(w[i], (int32_t)i);
+    std::sort(cand_.begin(), cand_.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+  }
+
+  std::vector<float> w_;
+  std::vector<std::pair<float, int32_t>> cand_;
+};
+
+// sample_rows(logits [R, V] float32 or bfloat16, temperature, top_k, top_p, min_p, u [R]): RowSampler::draw
+// for each row (the rows in parallel).
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "float32 or bfloat16 [rows, n] expected");
+  x = x.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "row length out of range");
+  auto t = temperature.to(torch::kFloat).contiguous(), k = top_k.to(torch::kLong).contiguous();
+  auto p = top_p.to(torch::kFloat).contiguous(), mp = min_p.to(torch::kFloat).contiguous();
+  auto uu = u.to(torch::kDouble).contiguous();
+  TORCH_CHECK(t.numel() == R && k.numel() == R && p.numel() == R && mp.numel() == R && uu.numel() == R,
+              "a parameter per row expected");
+  auto out = torch::empty({R}, torch::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 65536 / V), [&](int64_t r0, int64_t r1) {
+    RowSampler sampler;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float tr = t.data_ptr<float>()[r], pr = p.data_ptr<float>()[r], mr = mp.data_ptr<float>()[r];
+      const int64_t kr = k.data_ptr<int64_t>()[r];
+      const double ur = uu.data_ptr<double>()[r];
+      o[r] = x.scalar_type() == torch::kFloat ? sampler.draw(x.data_ptr<float>() + r * V, V, tr, kr, pr, mr, ur)
+                                              : sampler.draw(x.data_ptr<bf16>() + r * V, V, tr, kr, pr, mr, ur);
+    }
+  });
+  return out;
+}
+
 template <typename T>
 void bind_decoder(pybind11::module& m, const char* name) {
   namespace py = pybind11;
@@ -3288,6 +3505,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("rotary_bf16", &rotary_bf16, py::arg("x"), py::arg("cos"), py::arg("sin"), release());
   m.def("argmax_rows", &argmax_rows, release());
+  m.def("sample_rows", &sample_rows, release());
   m.def("set_plan_threads", &set_plan_threads);
   m.def("set_float_rows", [](int64_t n) { tmq::float_rows.store(std::max<int64_t>(0, n)); },
         "input rows from which block-format products dequantize + GEMM (quant_product.h); 0: the defaults");

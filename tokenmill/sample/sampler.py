@@ -132,11 +132,17 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     return logits
 
 
+def _shapes_logits(r: Request) -> bool:
+    """Whether the request asks anything of its logits besides temperature, top-k/p and min-p: logprobs,
+    a bias, penalties, min_tokens still to reach, or a grammar."""
+    sp = r.sampling_params
+    return (sp.logprobs is not None or bool(sp.logit_bias) or sp.needs_penalties
+            or r.num_output_tokens < sp.min_tokens or r.grammar is not None)
+
+
 def needs_processing(r: Request) -> bool:
     """False for plain greedy choice: the largest logit as it is, nothing else asked of the logits."""
-    sp = r.sampling_params
-    return (not sp.greedy or sp.logprobs is not None or bool(sp.logit_bias) or sp.needs_penalties
-            or r.num_output_tokens < sp.min_tokens or r.grammar is not None)
+    return not r.sampling_params.greedy or _shapes_logits(r)
 
 
 class Sampler:
@@ -149,6 +155,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
         if not any(needs_processing(r) for r in reqs):  # plain greedy: the largest logit, as it is
             return cpu_kernels.argmax(logits).tolist(), [None] * len(reqs)
+        kernel = cpu_kernels.sampler_kernel(logits)
+        if kernel is not None and not any(_shapes_logits(r) for r in reqs):
+            # Temperature, top-k/p and min-p alone: every row in one call of the kernel, as the logits are.
+            return self._kernel_draw(kernel, logits, reqs, range(len(reqs))).tolist(), [None] * len(reqs)
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in reqs):
@@ -165,7 +175,9 @@ class Sampler:
 
         tokens = cpu_kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
-        if random_rows:
+        if random_rows and kernel is not None:
+            tokens[random_rows] = self._kernel_draw(kernel, logits[random_rows], reqs, random_rows)
+        elif random_rows:
             sub = logits[random_rows]
             params = [reqs[i].sampling_params for i in random_rows]
             temp = torch.tensor([p.temperature for p in params], device=sub.device).unsqueeze(1)
@@ -183,6 +195,21 @@ class Sampler:
                 if k is not None:
                     logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], k)
         return token_list, logprobs
+
+    def _kernel_draw(self, kernel, rows: torch.Tensor, reqs: list[Request], which) -> torch.Tensor:
+        """One token per row of logits (those of reqs[j] for j in `which`, before the temperature) by the CPU
+        kernel: greedy rows their argmax, the others drawn with one uniform number each from the request's
+        own generator (or the sampler's); a row with no finite logit its argmax, as on the torch path."""
+        params = [reqs[j].sampling_params for j in which]
+        u = [0.0 if p.greedy else float(torch.rand(1, dtype=torch.float64,
+                                                      generator=reqs[j].generator or self.generator))
+             for j, p in zip(which, params)]
+        drawn = kernel.sample_rows(rows, torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
+                                   torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                                   torch.tensor([p.min_p for p in params]), torch.tensor(u, dtype=torch.float64))
+        if bool((drawn < 0).any()):
+            drawn = torch.where(drawn >= 0, drawn, cpu_kernels.argmax(rows))
+        return drawn
 
     def _sample(self, sub: torch.Tensor, params: list, reqs: list[Request], fallback: torch.Tensor) -> torch.Tensor:
         """One token per row of temperature-scaled logits, under each row's top-k, top-p and min-p."""
