@@ -164,7 +164,8 @@ def test_fused_logits_sample_as_the_separate_output_layer(tiny_models, num_reque
         pytest.skip("the CPU decode kernels do not run here")
     folder = tiny_models["llama"]
     prompts = [list(range(10 + i, 30 + 2 * i)) for i in range(num_requests)]
-    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, logprobs=2, seed=i) for i in range(num_requests)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True, logprobs=2, seed=i)
+              for i in range(num_requests)]
     results = []
     for one_call in (True, False):
         llm = LLM(folder, dtype="bfloat16", seed=0, kv_cache_memory=1 << 22)

@@ -3426,7 +3426,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Ten
   auto out = torch::empty({R}, torch::kLong);
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, R, std::max<int64_t>(1, 65536 / V), [&](int64_t r0, int64_t r1) {
-    RowSampler sampler;
+    static thread_local RowSampler sampler;  // its buffers kept from call to call
     for (int64_t r = r0; r < r1; ++r) {
       const float tr = t.data_ptr<float>()[r], pr = p.data_ptr<float>()[r], mr = mp.data_ptr<float>()[r];
       const int64_t kr = k.data_ptr<int64_t>()[r];
