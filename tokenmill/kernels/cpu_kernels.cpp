@@ -3234,8 +3234,8 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 //
 // Two passes over the row give the weights w = exp(y - max) and their sum; truncation then ranks only
 // the tokens above the first of a few thresholds on w (e^-1, e^-2, ... e^-64, all) that holds top_k
-// tokens or top_p of the mass, where the definitions' cut must fall, so that a few hundred tokens are
-// sorted rather than the vocabulary.
+// tokens or top_p of the mass, where the definitions' cut must fall, and select the kept ones among
+// those in linear time (nth_element for top-k, a quickselect on the weight for top-p), never sorting them.
 class RowSampler {
  public:
   template <typename T>
@@ -3249,31 +3249,38 @@ class RowSampler {
     const bool by_k = top_k > 0 && top_k < V;
     if (!by_k && !(top_p < 1.f)) return draw_all(w, V, min_p, u);
     for (int level = first_level(w, V, by_k ? top_k : 0, by_k ? 2.0 : top_p * total); ; ++level) {
-      ranked(w, V, level);
-      if (by_k && (int64_t)cand_.size() > top_k) cand_.resize(top_k);
-      double mass = 0.0;
-      for (const auto& c : cand_) mass += c.first;
-      const double set_total = by_k ? mass : total;  // top-k renormalises among its k
+      gather(w, V, level);
+      if (by_k && (int64_t)cand_.size() > top_k) {  // the k first by rank: largest, equal ones by index
+        std::nth_element(cand_.begin(), cand_.begin() + top_k, cand_.end(), [](const auto& a, const auto& b) {
+          return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
+        cand_.resize(top_k);
+      }
       size_t keep = cand_.size();
       if (top_p < 1.f) {
-        double before = 0.0;
-        for (keep = 0; keep < cand_.size(); ++keep) {
-          if (keep > 0 && before >= (double)top_p * set_total) break;
-          before += cand_[keep].first;
+        double set_total = total;
+        if (by_k) {  // top-k renormalises among its k
+          set_total = 0.0;
+          for (const auto& c : cand_) set_total += c.first;
         }
+        const double need = (double)top_p * set_total;
+        double before = 0.0;
+        keep = nucleus(need, before);
         // The nucleus did not close among these: it reaches tokens below this threshold.
-        if (keep == cand_.size() && !by_k && level < kLevels && before < (double)top_p * set_total) continue;
+        if (keep == cand_.size() && !by_k && level < kLevels && before < need) continue;
       }
-      while (keep > 1 && cand_[keep - 1].first < min_p) --keep;  // largest first: the tail goes
-      double kept = 0.0;
-      for (size_t j = 0; j < keep; ++j) kept += cand_[j].first;
+      double kept = 0.0;  // the kept tokens (in no particular order) of weight >= min_p
+      for (size_t j = 0; j < keep; ++j) kept += cand_[j].first >= min_p ? cand_[j].first : 0.0;
       const double target = u * kept;
       double cum = 0.0;
+      int64_t last = cand_[0].second;
       for (size_t j = 0; j < keep; ++j) {
+        if (!(cand_[j].first >= min_p)) continue;
+        last = cand_[j].second;
         cum += cand_[j].first;
-        if (cum > target) return cand_[j].second;
+        if (cum > target) return last;
       }
-      return cand_[keep - 1].second;  // u * kept rounded up to kept
+      return last;  // u * kept rounded up to kept
     }
   }
 
@@ -3394,15 +3401,39 @@ class RowSampler {
     return kLevels;
   }
 
-  // cand_: the tokens of weight >= the level's floor (and > 0), largest first, equal ones by index.
-  void ranked(const float* w, int64_t V, int level) {
+  // cand_: the tokens of weight >= the level's floor (and > 0), in vocabulary order.
+  void gather(const float* w, int64_t V, int level) {
     const float floor = level_floor(level);
     cand_.clear();
     for (int64_t i = 0; i < V; ++i)
       if (w[i] >= floor) cand_.emplace_back(w[i], (int32_t)i);
-    std::sort(cand_.begin(), cand_.end(), [](const auto& a, const auto& b) {
-      return a.first > b.first || (a.first == b.first && a.second < b.second);
-    });
+  }
+
+  // Moves to the front of cand_ the tokens top-p keeps, those whose weight ranked above them (largest
+  // first, equal ones by index) is under `need`, and returns how many; `before` is their weight. A
+  // selection rather than a sort: each round splits the undecided tokens around one weight, keeps the
+  // larger ones whole where they stay under `need` and drops the smaller ones where they do not.
+  size_t nucleus(double need, double& before) {
+    size_t lo = 0, hi = cand_.size();  // [0, lo) kept, [lo, hi) undecided, [hi, end) dropped
+    before = 0.0;
+    while (lo < hi && before < need) {
+      const float pivot = cand_[lo + (hi - lo) / 2].first;
+      const auto first = cand_.begin() + lo, last = cand_.begin() + hi;
+      const auto larger = std::partition(first, last, [pivot](const auto& c) { return c.first > pivot; });
+      const auto equal = std::partition(larger, last, [pivot](const auto& c) { return c.first == pivot; });
+      double above = 0.0;
+      for (auto it = first; it != larger; ++it) above += it->first;
+      if (larger != first && before + above >= need) {  // the cut falls among the larger ones
+        hi = larger - cand_.begin();
+        continue;
+      }
+      before += above;  // the larger ones all kept; then the equal ones by index while under need
+      std::sort(larger, equal, [](const auto& a, const auto& b) { return a.second < b.second; });
+      lo = larger - cand_.begin();
+      const size_t end = equal - cand_.begin();
+      while (lo < end && before < need) before += cand_[lo++].first;
+    }
+    return lo;
   }
 
   std::vector<float> w_;
