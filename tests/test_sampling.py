@@ -299,8 +299,7 @@ def test_the_kernel_draws_from_bfloat16_rows_with_masked_tokens(kwargs):
     exact[11] = float("-inf")  # a NaN logit counts as -inf
     target = expected(exact.numpy(), **kwargs)
     n = 20000
-    reqs = [Request(str(i), [0], SamplingParams(seed=i, **kwargs), 16) for i in range(n)]
-    p = reqs[0].sampling_params
+    p = SamplingParams(**kwargs)
     u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     tokens = kernel.sample_rows(row.repeat(n, 1), torch.full((n,), p.temperature), torch.full((n,), p.top_k),
                                 torch.full((n,), p.top_p), torch.full((n,), p.min_p), u)

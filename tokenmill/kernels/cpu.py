@@ -378,11 +378,16 @@ def chunk_ops(x: torch.Tensor) -> object | None:
     return None
 
 
+def _row_kernels(x: torch.Tensor) -> bool:
+    """Whether the kernels take x as rows: 2-D float32 or bfloat16 on the CPU, rows of 1 to 2^31 - 1 values."""
+    return (_module is not None and x.device.type == "cpu" and x.dim() == 2
+            and x.dtype in (torch.float32, torch.bfloat16) and 0 < x.shape[1] < 2**31)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a 2-D float32 or bfloat16 tensor; the kernel on the CPU (torch's takes ~1 ns
     per element, ~45 us for one float32 row of a 49k vocabulary, ~180 us in bfloat16)."""
-    if (x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.device.type == "cpu" and x.shape[1]
-            and _module is not None):
+    if _row_kernels(x):
         return _module.argmax_rows(x)
     return x.argmax(dim=-1)
 
@@ -393,10 +398,7 @@ SAMPLE_KERNEL = os.environ.get("TOKENMILL_SAMPLER", "kernel") != "torch"
 
 def sampler_kernel(x: torch.Tensor) -> object | None:
     """The kernel module where it draws tokens from rows like x (2-D float32 or bfloat16 on the CPU), else None."""
-    if (SAMPLE_KERNEL and _module is not None and x.device.type == "cpu" and x.dim() == 2
-            and x.dtype in (torch.float32, torch.bfloat16) and 0 < x.shape[1] < 2**31):
-        return _module
-    return None
+    return _module if SAMPLE_KERNEL and _row_kernels(x) else None
 
 
 def head_dim_ok(head_dim: int) -> bool:

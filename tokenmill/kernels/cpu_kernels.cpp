@@ -3232,7 +3232,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // first always); min-p keeps tokens of at least min_p times the largest one's probability. A token of
 // weight 0 (a -inf logit) is never drawn. -1 where no logit is finite (the caller's fallback).
 //
-// Two passes over the row give the weights w = exp(y - max) and their sum; truncation then ranks only
+// Two passes over the row give the weights w = exp(y - max) and their sum; truncation then looks only at
 // the tokens above the first of a few thresholds on w (e^-1, e^-2, ... e^-64, all) that holds top_k
 // tokens or top_p of the mass, where the definitions' cut must fall, and select the kept ones among
 // those in linear time (nth_element for top-k, a quickselect on the weight for top-p), never sorting them.
@@ -3248,7 +3248,7 @@ class RowSampler {
     const double total = weigh(w, V, m);
     const bool by_k = top_k > 0 && top_k < V;
     if (!by_k && !(top_p < 1.f)) return draw_all(w, V, min_p, u);
-    for (int level = first_level(w, V, by_k ? top_k : 0, by_k ? 2.0 : top_p * total); ; ++level) {
+    for (int level = first_level(w, V, by_k ? top_k : 0, by_k ? 0.0 : top_p * total); ; ++level) {
       gather(w, V, level);
       if (by_k && (int64_t)cand_.size() > top_k) {  // the k first by rank: largest, equal ones by index
         std::nth_element(cand_.begin(), cand_.begin() + top_k, cand_.end(), [](const auto& a, const auto& b) {
