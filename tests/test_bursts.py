@@ -1,5 +1,6 @@
-"""Bursts of greedy decode steps run back to back in the fused CPU decoder (num_scheduler_steps > 1):
-the same tokens, text, stops and KV-cache state as one step at a time, and transformers' greedy choices."""
+"""Bursts of decode steps run back to back in the fused CPU decoder (num_scheduler_steps > 1): the same
+tokens, text, stops and KV-cache state as one step at a time (greedy ones transformers' choices, sampled
+ones the sampler kernel's draws from the same numbers), each step handed to a stream as it is done."""
 
 from __future__ import annotations
 
@@ -120,16 +121,27 @@ def test_bursts_stop_where_single_steps_stop(tiny_models):
     assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_free == engine.num_blocks
 
 
-def test_bursts_only_for_plain_greedy_with_nothing_waiting(tiny_models):
-    """Sampling, logprobs and penalties take single steps; so does any step while requests wait."""
+def test_bursts_only_where_the_kernel_chooses_and_nothing_waits(tiny_models, monkeypatch):
+    """Greedy and plainly sampled requests (temperature, top-k/p, min-p) run in bursts; logprobs, penalties
+    and a bias take single steps, as does sampling with the sampler's torch path; so does any step while
+    requests wait."""
     llm = _llm(tiny_models["llama"], 8, max_num_seqs=2)
     lengths = _count_bursts(llm)
     prompt = [list(range(10, 30))]
-    for params in (SamplingParams(temperature=0.8, max_tokens=12, seed=1),
-                   SamplingParams(temperature=0, max_tokens=12, logprobs=2),
-                   SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)):
+    for params in (SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.8, max_tokens=12, seed=1, logit_bias={5: 2.0})):
         assert len(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 12
     assert lengths == []
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, max_tokens=12, seed=1,
+                             ignore_eos=True)
+    monkeypatch.setattr(cpu_kernels, "SAMPLE_KERNEL", False)
+    llm.generate(prompt, sampled, use_tqdm=False)
+    assert lengths == []
+    monkeypatch.setattr(cpu_kernels, "SAMPLE_KERNEL", True)
+    llm.generate(prompt, sampled, use_tqdm=False)
+    assert lengths and max(lengths) == 8, lengths
+    lengths.clear()
     # Three requests, two seats: while the third waits, the two running decode one step at a time.
     engine = llm.engine
     for i in range(3):
@@ -142,6 +154,43 @@ def test_bursts_only_for_plain_greedy_with_nothing_waiting(tiny_models):
         if waiting:
             assert len(lengths) == before
     assert lengths  # the last request, alone, decoded in bursts
+
+
+@pytest.mark.parametrize("num_requests", [1, 3, 11])
+def test_sampled_bursts_draw_what_single_steps_draw(tiny_models, num_requests):
+    """A burst draws a sampled request's tokens from the step's logits with the numbers single steps take
+    from the same generators (a seeded request's own, the engine's for the others), so seeded and
+    unseeded requests, mixed with greedy ones, get the single steps' tokens exactly; the sampler path
+    they follow is the one tests/test_sampling.py checks against the distributions' definitions. After
+    an interrupted burst each generator has given only the numbers of the steps run."""
+    single, burst, lengths, prompts, _ = _single_and_burst(tiny_models, 3, 8)
+    prompts = (prompts * 4)[:num_requests]
+    kinds = [dict(temperature=1.0, seed=7), dict(temperature=0.7, top_p=0.8), dict(temperature=0),
+             dict(temperature=1.3, top_k=5, seed=3), dict(temperature=0.9, min_p=0.1)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(num_requests)]
+    want = single.generate(prompts, params, use_tqdm=False)
+    got = burst.generate(prompts, params, use_tqdm=False)
+    assert lengths and max(lengths) == 8, lengths
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    distinct = {tuple(w.outputs[0].token_ids) for w in want[:1]} | {tuple(single.generate(
+        prompts[:1], params[0].clone(seed=8), use_tqdm=False)[0].outputs[0].token_ids)}
+    assert len(distinct) == 2  # the draws do depend on the numbers: another seed, other tokens
+
+    # Interrupted after its first step: the request goes on from the generator's next number.
+    lengths.clear()
+    engine = burst.engine
+    run = engine.runner._execute_burst
+
+    def interrupted_after_one(sched, steps, interrupted, on_step):
+        return run(sched, steps, interrupted, lambda result: True)
+
+    engine.runner._execute_burst = interrupted_after_one
+    try:
+        again = burst.generate(prompts[:1], params[0], use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        engine.runner._execute_burst = run
+    assert lengths and max(lengths) == 1, lengths
+    assert again == want[0].outputs[0].token_ids
 
 
 def test_interrupt_ends_a_burst_after_its_current_step(tiny_models):
@@ -227,15 +276,16 @@ def _stream(llm, prompts, params) -> tuple[dict, dict]:
     return counts, finals
 
 
-def test_streamed_requests_take_single_steps_and_final_only_ones_bursts(tiny_models):
-    """With an output stream attached (the server), a request read as it goes takes one decode step at a
-    time, so each output carries one token more; requests read only at their end still run in bursts.
-    Both give the tokens, text and stops of single steps."""
+def test_streamed_requests_get_each_step_of_a_burst_as_it_ends(tiny_models):
+    """With an output stream attached (the server), a burst takes and emits every step's tokens from
+    inside the fused decoder's call, so a request read as it goes gets one output per token, in order,
+    as with single steps; a burst whose requests have all met a stop string ends there. The tokens, text
+    and stops are the single steps'."""
     single, burst, lengths, prompts, gen = _single_and_burst(tiny_models, 3, 30)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, stop=[gen[1].text[len(gen[1].text) // 2:][:3]],
                              ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)]
+              SamplingParams(temperature=0.8, seed=5, max_tokens=19, ignore_eos=True)]
     want = single.generate(prompts, params, use_tqdm=False)
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
         lengths.clear()
@@ -246,5 +296,18 @@ def test_streamed_requests_take_single_steps_and_final_only_ones_bursts(tiny_mod
                                                                     w.outputs[0].finish_reason)
             if kind is RequestOutputKind.CUMULATIVE:
                 assert counts[f"s{i}"] == list(range(1, len(got.token_ids) + 1)), counts[f"s{i}"]
-        assert (max(lengths) == 8) if kind is RequestOutputKind.FINAL_ONLY else not lengths, (kind, lengths)
+        assert max(lengths) == 8, (kind, lengths)
         assert burst.engine.kv_manager.pool.num_free == burst.engine.num_blocks
+
+    # One request alone, its stop string met inside a burst: the burst ends at that step.
+    stop = gen[0].text[len(gen[0].text) // 2:][:4]
+    alone = SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True)
+    expected = single.generate(prompts[:1], alone, use_tqdm=False)[0].outputs[0]
+    assert expected.finish_reason == "stop"
+    lengths.clear()
+    counts, finals = _stream(burst, prompts[:1], [alone])
+    assert finals["s0"].outputs[0].token_ids == expected.token_ids
+    # The bursts' steps add up to the tokens the request took after its prompt's step: none ran past the
+    # stop (which falls inside a burst, not at its end).
+    assert (len(expected.token_ids) - 1) % 8, "the stop should fall inside a burst"
+    assert sum(lengths) == len(expected.token_ids) - 1, (lengths, len(expected.token_ids))

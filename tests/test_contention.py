@@ -283,9 +283,11 @@ def test_a_streaming_server_keeps_its_team_and_reports_a_taken_core(default_gguf
             spin.kill()
             spin.wait()
         busy = server.metrics()
+        # A streamed greedy request decodes in bursts of up to 8 steps, each one call of the fused decoder
+        # (and one engine step): 200 tokens are ~25 of them, of which a third or more on one thread.
         one_thread = (busy["tokenmill:cpu_steps_on_one_thread_total"]
                       + busy["tokenmill:cpu_decode_calls_on_one_thread_total"])
-        assert one_thread >= 64, busy
+        assert one_thread >= 8, busy
     finally:
         server.stop()
 

@@ -360,6 +360,48 @@ def test_fused_decoder_refuses_steps_outside_its_cache_and_tables():
     assert tokens.shape == (3, 2)
 
 
+def test_a_bursts_step_hook_sees_each_step_and_can_end_it():
+    """on_step gets every step's tokens as the step ends (the rows decode_greedy returns); returning True
+    ends the burst after that step; an exception it raises ends the burst and reaches the caller as
+    itself. decode_sampled at temperature 0 is decode_greedy; its draws depend on u, and its parameters
+    must come one per request."""
+    dec, _ = _tiny_fused_decoder()
+    ids, pos, bt, lens = torch.tensor([3, 7]), torch.tensor([5, 9]), torch.tensor([[0, 1, 0], [2, 3, 4]]), \
+        torch.tensor([6, 10])
+    slots = torch.tensor([[5, 17], [6, 18], [7, 19]])
+    seen = []
+    tokens = dec.decode_greedy(ids, pos, slots, bt, lens, [[], []], on_step=lambda j, row: seen.append((j, row)))
+    assert seen == list(enumerate(tokens.tolist())) and len(seen) == 3
+    seen.clear()
+    short = dec.decode_greedy(ids, pos, slots, bt, lens, [[], []], on_step=lambda j, row: seen.append(j) or j == 1)
+    assert seen == [0, 1] and torch.equal(short, tokens[:2])
+
+    class Boom(Exception):
+        pass
+
+    def boom(j, row):
+        seen.append(j)
+        raise Boom("from the hook")
+
+    seen.clear()
+    with pytest.raises(Boom, match="from the hook"):
+        dec.decode_greedy(ids, pos, slots, bt, lens, [[], []], on_step=boom)
+    assert seen == [0]
+
+    def sampled(temperature, u):
+        return dec.decode_sampled(ids, pos, slots, bt, lens, [[], []], torch.tensor(temperature), torch.tensor([0, 0]),
+                                  torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]), u)
+
+    assert torch.equal(sampled([0.0, 0.0], torch.rand(3, 2, dtype=torch.float64)), tokens)
+    draws = {tuple(sampled([5.0, 5.0], torch.full((3, 2), q, dtype=torch.float64)).flatten().tolist())
+             for q in (0.01, 0.5, 0.99)}
+    assert len(draws) == 3  # a hot distribution: u picks where in it the tokens fall
+    with pytest.raises(RuntimeError, match="one per request"):
+        sampled([1.0, 1.0, 1.0], torch.rand(3, 2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"u: \[steps, batch\]"):
+        sampled([1.0, 1.0], torch.rand(2, 2, dtype=torch.float64))
+
+
 @pytest.fixture(params=[False, True], ids=["pairs", "amx"])
 def prompt_amx(request):
     """prefill_attention through bf16 pair products, then (where the CPU has AMX) through AMX's tiles."""

@@ -16,7 +16,7 @@ from tokenmill.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerO
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels import quant
 from tokenmill.model.arena import huge_page_buffer
-from tokenmill.sample.sampler import Sampler, needs_processing, token_logprobs
+from tokenmill.sample.sampler import Sampler, needs_processing, shapes_logits, token_logprobs
 
 
 def _decode_like(s: ScheduledRequest) -> bool:
@@ -75,11 +75,21 @@ class ModelRunner:
         self._burst = None  # the fused decoder while it runs a burst of decode steps
         # Bursts need the model's fused CPU decoder; cleared the first time the model has none to give.
         self.supports_bursts = hasattr(model, "_fused_decoder") and device.type == "cpu" and dtype == torch.bfloat16
+        # A whole model's decoder (not one tensor-parallel shard) also draws sampled tokens in a burst and
+        # hands each step's tokens over as soon as they are chosen.
+        self.whole_bursts = self.supports_bursts and getattr(model, "_tp", None) is None
 
-    def execute_burst(self, sched: SchedulerOutput, steps: int,
-                      interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
+    def bursts_choose(self, req: Request) -> bool:
+        """Whether a burst of decode steps chooses this request's tokens: plain greedy ones; or, by the
+        sampler kernel in a whole decoder, those drawn under temperature, top-k/p and min-p alone."""
+        if not needs_processing(req):
+            return True
+        return self.whole_bursts and cpu_kernels.SAMPLE_KERNEL and not shapes_logits(req)
+
+    def execute_burst(self, sched: SchedulerOutput, steps: int, interrupted: Callable[[], bool],
+                      on_step: Callable[[ModelOutput], bool] | None = None) -> list[ModelOutput] | None:
         with self.governor or contextlib.nullcontext():
-            return self._execute_burst(sched, steps, interrupted)
+            return self._execute_burst(sched, steps, interrupted, on_step)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         with self.governor or contextlib.nullcontext():
@@ -95,13 +105,15 @@ class ModelRunner:
                 "cpu_decode_calls_on_one_thread": fused.team_stats()[1] if fused is not None else 0}
 
     @torch.inference_mode()
-    def _execute_burst(self, sched: SchedulerOutput, steps: int,
-                       interrupted: Callable[[], bool]) -> list[ModelOutput] | None:
-        """Up to `steps` greedy decode steps of a batch of single-token (decode) requests in one call of the
-        fused decoder; every request's blocks must already hold the slots of all the steps. Returns each
-        step's sampled tokens, or None (nothing run) where the fused decoder does not run this batch, a
-        request's token is still its prompt's, or interrupted() already holds. The burst ends early when
-        every request has produced a stop token, or after the step running when interrupt() is called."""
+    def _execute_burst(self, sched: SchedulerOutput, steps: int, interrupted: Callable[[], bool],
+                       on_step: Callable[[ModelOutput], bool] | None) -> list[ModelOutput] | None:
+        """Up to `steps` decode steps of a batch of single-token (decode) requests whose tokens a burst
+        chooses (bursts_choose) in one call of the fused decoder; every request's blocks must already hold
+        the slots of all the steps. Returns each step's sampled tokens, or None (nothing run) where the
+        fused decoder does not run this batch, a request's token is still its prompt's, or interrupted()
+        already holds. The burst ends early when every request has produced a stop token, after the step
+        running when interrupt() is called, or once on_step (given each step's tokens as soon as they are
+        chosen; a whole decoder's bursts only) returns True."""
         items = sched.scheduled
         if not self.supports_bursts or any(in_prompt(s) for s in items):
             return None
@@ -113,17 +125,57 @@ class ModelRunner:
         slots = torch.tensor([[self._slot(s.request, s.request.num_computed_tokens + j) for s in items]
                               for j in range(steps)], dtype=torch.long)
         stop_ids = [s.request.sampling_params.ending_token_ids for s in items]
+        ids = [s.request.request_id for s in items]
+        args = (input_ids, positions, slots, meta.decode_block_tables, meta.decode_seq_lens, stop_ids)
+        hook = {} if on_step is None else {"on_step": lambda _, row: on_step(ModelOutput(sampled=dict(zip(ids, row))))}
+        reqs = [s.request for s in items]
         fused.clear_interrupt()
         self._burst = fused  # from here on interrupt() reaches it; before, interrupted() tells
         try:
             if interrupted():
                 return None
-            tokens = fused.decode_greedy(input_ids, positions, slots, meta.decode_block_tables, meta.decode_seq_lens,
-                                         stop_ids)
+            if all(r.sampling_params.greedy for r in reqs):
+                tokens = fused.decode_greedy(*args, **hook)
+            else:
+                u, rewind = self._burst_draws(reqs, steps)
+                params = [r.sampling_params for r in reqs]
+                tokens = fused.decode_sampled(
+                    *args, torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
+                    torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                    torch.tensor([p.min_p for p in params]), u, **hook)
+                rewind(len(tokens))
         finally:
             self._burst = None
-        ids = [s.request.request_id for s in items]
         return [ModelOutput(sampled=dict(zip(ids, row))) for row in tokens.tolist()]
+
+    def _burst_draws(self, reqs: list[Request], steps: int) -> tuple[torch.Tensor, Callable[[int], None]]:
+        """The uniform numbers a burst's sampled requests draw with, [steps, batch], taken from the
+        generators as `steps` plain steps would take them (the sampler's kernel path: one a step from a
+        seeded request's own generator; from the sampler's, for the others in batch order); and rewind(done),
+        which leaves every generator as if only the first `done` steps had drawn."""
+        u = torch.zeros(steps, len(reqs), dtype=torch.float64)
+        taken = []  # (generator, its state before, numbers a step)
+        shared = []
+        for b, r in enumerate(reqs):
+            if r.sampling_params.greedy:
+                continue
+            if r.generator is None:
+                shared.append(b)
+                continue
+            taken.append((r.generator, r.generator.get_state(), 1))
+            u[:, b] = torch.rand(steps, dtype=torch.float64, generator=r.generator)
+        if shared:
+            g = self.sampler.generator
+            taken.append((g, g.get_state(), len(shared)))
+            u[:, shared] = torch.rand(steps, len(shared), dtype=torch.float64, generator=g)
+
+        def rewind(done: int) -> None:
+            if done < steps:
+                for g, state, per_step in taken:
+                    g.set_state(state)
+                    if done:
+                        torch.rand(done * per_step, dtype=torch.float64, generator=g)
+        return u, rewind
 
     def interrupt(self) -> None:
         """End a running burst after its current step (any thread)."""

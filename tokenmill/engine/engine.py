@@ -20,7 +20,6 @@ from tokenmill.model.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner import ModelRunner, in_prompt, kv_bytes_per_block
 from tokenmill.sample import defaults as sampling_defaults
-from tokenmill.sample.sampler import needs_processing
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.spec.proposer import AdaptiveDraft, StepCost, make_proposer, plan_drafts
 from tokenmill.spec.stats import SpecStats
@@ -219,21 +218,27 @@ class LLMEngine:
     def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Schedule, run one forward pass over the mixed batch, sample, and report what changed.
 
-        A batch of greedy decodes with nothing waiting may run up to config.num_scheduler_steps steps
-        back to back (a burst) in one call of the fused CPU decoder; each step's tokens are then taken as
-        a step of their own would take them. With `emit`, every step's outputs go to it in order and
-        step() returns nothing; a burst then runs only if no scheduled request streams (each streamed
-        token must reach its client as soon as it is computed). Without it each request reports once,
-        with all its new tokens."""
+        A batch of decodes whose tokens a burst chooses (greedy ones; sampled ones under temperature,
+        top-k/p and min-p alone) with nothing waiting may run up to config.num_scheduler_steps steps back
+        to back (a burst) in one call of the fused CPU decoder; each step's tokens are then taken as a step
+        of their own would take them. With `emit`, every step's outputs go to it in order and step()
+        returns nothing: a burst takes and emits each step's tokens as soon as they are chosen, from
+        inside the call (each streamed token must reach its client as soon as it is computed), and ends
+        once every request has finished. Without it each request reports once, with all its new tokens."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         latest: dict[str, RequestOutput] = {}
 
         steps = self._burst_steps(sched, streaming=emit is not None)
-        results = self.runner.execute_burst(sched, steps, self._interrupted.is_set) if steps > 1 else None
+        taken = emit is not None and self.runner.whole_bursts  # each step taken and emitted inside the burst
+        results = None
+        if steps > 1:
+            on_step = (lambda result: self._emit_step(sched, result, emit)) if taken else None
+            results = self.runner.execute_burst(sched, steps, self._interrupted.is_set, on_step)
         if results is None:
+            taken = False
             results = [self.runner.execute(sched) if not sched.is_empty else ModelOutput()]
-        for result in results[:-1] + results[-1].passes():
+        for result in [] if taken else results[:-1] + results[-1].passes():
             outputs = self._take(sched, result)
             if emit is not None:
                 emit(outputs)
@@ -309,19 +314,27 @@ class LLMEngine:
             outputs.append(self.output_processor.fail(parent_id, error))
         return outputs
 
+    def _emit_step(self, sched: SchedulerOutput, result: ModelOutput, emit: Callable) -> bool:
+        """One step of a burst, as it ends: its tokens taken and emitted. Returns whether every request of
+        the burst has finished (a stop string, say), which ends the burst."""
+        emit(self._take(sched, result))
+        return all(s.request.is_finished for s in sched.scheduled)
+
     def _burst_steps(self, sched, streaming: bool) -> int:
         """How many decode steps this step may run back to back: 1 unless every scheduled request decodes
-        plain greedily past its prompt, nothing waits and (with `streaming` consumers) none streams; never
-        past a request's max_tokens or the context length, and only as far as free KV blocks hold every
-        request's tokens."""
+        past its prompt with tokens a burst chooses (runner.bursts_choose), nothing waits and, with
+        `streaming` consumers whose bursts cannot hand over each step (a tensor-parallel shard's), none
+        streams; never past a request's max_tokens or the context length, and only as far as free KV
+        blocks hold every request's tokens."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
                 or self._interrupted.is_set()):
             return 1
         for s in sched.scheduled:
             req = s.request
-            if s.num_new_tokens != 1 or not s.samples or needs_processing(req) or in_prompt(s) or (
-                    streaming and req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY):
+            if s.num_new_tokens != 1 or not s.samples or not self.runner.bursts_choose(req) or in_prompt(s) or (
+                    streaming and not self.runner.whole_bursts
+                    and req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,
                         self._steps_before_recompute(req))

@@ -31,6 +31,9 @@
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <functional>
+#include <optional>
+#include <string>
 #include <chrono>
 #include <thread>
 #include <tuple>
@@ -995,6 +998,224 @@ int64_t argmax_row(const T* row, int64_t N) {
   return bi;
 }
 
+// ------------------------------------------------------------------------------------------ sampling
+
+// One token drawn from softmax(row / temperature) under top-k, top-p and min-p, by inverting the kept
+// tokens' cumulative weights at u in [0, 1); the argmax where temperature is 0. The same definitions as
+// the sampler's torch path (tokenmill/sample/sampler.py): a NaN logit is -inf and +inf the largest float
+// after the division; top-k keeps the k largest (of equal ones, the first), renormalised among them;
+// top-p keeps tokens, largest first, while the probability ranked above them stays under top_p (the
+// first always); min-p keeps tokens of at least min_p times the largest one's probability. A token of
+// weight 0 (a -inf logit) is never drawn. -1 where no logit is finite (the caller's fallback).
+//
+// Two passes over the row give the weights w = exp(y - max) and their sum; truncation then looks only at
+// the tokens above the first of a few thresholds on w (e^-1, e^-2, ... e^-64, all) that holds top_k
+// tokens or top_p of the mass, where the definitions' cut must fall, and select the kept ones among
+// those in linear time (nth_element for top-k, a quickselect on the weight for top-p), never sorting them.
+class RowSampler {
+ public:
+  template <typename T>
+  int64_t draw(const T* row, int64_t V, float temperature, int64_t top_k, float top_p, float min_p, double u) {
+    if (!(temperature > 0.f)) return argmax_row(row, V);
+    w_.resize(V);
+    float* w = w_.data();
+    const float m = scaled(row, V, temperature, w);
+    if (m == -INFINITY) return -1;
+    const double total = weigh(w, V, m);
+    const bool by_k = top_k > 0 && top_k < V;
+    if (!by_k && !(top_p < 1.f)) return draw_all(w, V, min_p, u);
+    for (int level = first_level(w, V, by_k ? top_k : 0, by_k ? 0.0 : top_p * total); ; ++level) {
+      gather(w, V, level);
+      if (by_k && (int64_t)cand_.size() > top_k) {  // the k first by rank: largest, equal ones by index
+        std::nth_element(cand_.begin(), cand_.begin() + top_k, cand_.end(), [](const auto& a, const auto& b) {
+          return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
+        cand_.resize(top_k);
+      }
+      size_t keep = cand_.size();
+      if (top_p < 1.f) {
+        double set_total = total;
+        if (by_k) {  // top-k renormalises among its k
+          set_total = 0.0;
+          for (const auto& c : cand_) set_total += c.first;
+        }
+        const double need = (double)top_p * set_total;
+        double before = 0.0;
+        keep = nucleus(need, before);
+        // The nucleus did not close among these: it reaches tokens below this threshold.
+        if (keep == cand_.size() && !by_k && level < kLevels && before < need) continue;
+      }
+      double kept = 0.0;  // the kept tokens (in no particular order) of weight >= min_p
+      for (size_t j = 0; j < keep; ++j) kept += cand_[j].first >= min_p ? cand_[j].first : 0.0;
+      const double target = u * kept;
+      double cum = 0.0;
+      int64_t last = cand_[0].second;
+      for (size_t j = 0; j < keep; ++j) {
+        if (!(cand_[j].first >= min_p)) continue;
+        last = cand_[j].second;
+        cum += cand_[j].first;
+        if (cum > target) return last;
+      }
+      return last;  // u * kept rounded up to kept
+    }
+  }
+
+ private:
+  static constexpr int kLevels = 7;  // thresholds e^-1 .. e^-64, then every token of positive weight
+  static float level_floor(int level) {
+    static const float floors[kLevels] = {0.36787944f, 0.13533528f, 0.01831564f, 3.3546263e-4f,
+                                          1.1253517e-7f, 1.2664166e-14f, 1.6038109e-28f};
+    return level < kLevels ? floors[level] : std::numeric_limits<float>::denorm_min();
+  }
+
+  // w[i] = row[i] / temperature (NaN: -inf, +inf: the largest float); returns their maximum.
+  template <typename T>
+  static float scaled(const T* row, int64_t V, float temperature, float* w) {
+    const __m512 t = _mm512_set1_ps(temperature), big = _mm512_set1_ps(FLT_MAX), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax = ninf;
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) {
+      __m512 y = _mm512_div_ps(load16(row + i), t);
+      y = _mm512_mask_mov_ps(_mm512_min_ps(y, big), _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), ninf);
+      _mm512_storeu_ps(w + i, y);
+      vmax = _mm512_max_ps(vmax, y);
+    }
+    float m = _mm512_reduce_max_ps(vmax);
+    for (; i < V; ++i) {
+      float y = to_float(row[i]) / temperature;
+      y = std::isnan(y) ? -INFINITY : std::min(y, FLT_MAX);
+      w[i] = y;
+      m = std::max(m, y);
+    }
+    return m;
+  }
+
+  // w[i] = exp(w[i] - m), 0 for -inf; returns their sum, in the order chunk_sum adds them.
+  static double weigh(float* w, int64_t V, float m) {
+    const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) {
+      const __m512 y = _mm512_loadu_ps(w + i);
+      const __mmask16 finite = _mm512_cmp_ps_mask(y, ninf, _CMP_NEQ_OQ);
+      _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(finite, exp_ps(_mm512_sub_ps(y, vm))));
+    }
+    for (; i < V; ++i) w[i] = w[i] == -INFINITY ? 0.f : std::exp(w[i] - m);
+    double total = 0.0;
+    for (int64_t c = 0; c < V; c += kChunk) total += chunk_sum(w, c, std::min(V, c + kChunk), 0.f);
+    return total;
+  }
+
+  static constexpr int64_t kChunk = 256;
+  // The sum of w[i] >= floor over [a, b): 16 lanes, then across them.
+  static float chunk_sum(const float* w, int64_t a, int64_t b, float floor) {
+    const __m512 f = _mm512_set1_ps(floor);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = a;
+    for (; i + 16 <= b; i += 16) {
+      const __m512 v = _mm512_loadu_ps(w + i);
+      acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(v, f, _CMP_GE_OQ), acc, v);
+    }
+    float s = _mm512_reduce_add_ps(acc);
+    for (; i < b; ++i) s += w[i] >= floor ? w[i] : 0.f;
+    return s;
+  }
+
+  // No top-k or top-p: tokens of weight >= min_p (all, where it is 0), drawn in vocabulary order. The
+  // chunk holding the target is found from chunk sums made as the total's were, then walked token by token.
+  static int64_t draw_all(const float* w, int64_t V, float min_p, double u) {
+    double kept = 0.0;
+    for (int64_t c = 0; c < V; c += kChunk) kept += chunk_sum(w, c, std::min(V, c + kChunk), min_p);
+    const double target = u * kept;
+    double cum = 0.0;
+    int64_t last = -1;
+    for (int64_t c = 0; c < V; c += kChunk) {
+      const int64_t e = std::min(V, c + kChunk);
+      const float s = chunk_sum(w, c, e, min_p);
+      if (cum + s <= target && e < V) {
+        cum += s;
+        continue;
+      }
+      for (int64_t i = c; i < e; ++i) {
+        if (!(w[i] >= min_p) || w[i] == 0.f) continue;
+        last = i;
+        cum += w[i];
+        if (cum > target) return i;
+      }
+      if (last >= 0) return last;  // the chunk's token-by-token sum rounded below its vector sum
+    }
+    return last;
+  }
+
+  // The first threshold level holding at least k tokens (k > 0), or at least `mass` of weight.
+  static int first_level(const float* w, int64_t V, int64_t k, double mass) {
+    int64_t count[kLevels] = {};
+    double sum[kLevels] = {};
+    __m512 lv[kLevels];
+    for (int l = 0; l < kLevels; ++l) lv[l] = _mm512_set1_ps(level_floor(l));
+    for (int64_t c = 0; c < V; c += kChunk) {
+      const int64_t e = std::min(V, c + kChunk);
+      __m512 acc[kLevels];
+      for (int l = 0; l < kLevels; ++l) acc[l] = _mm512_setzero_ps();
+      int64_t i = c;
+      for (; i + 16 <= e; i += 16) {
+        const __m512 v = _mm512_loadu_ps(w + i);
+        for (int l = 0; l < kLevels; ++l) {
+          const __mmask16 in = _mm512_cmp_ps_mask(v, lv[l], _CMP_GE_OQ);
+          count[l] += __builtin_popcount(in);
+          acc[l] = _mm512_mask_add_ps(acc[l], in, acc[l], v);
+        }
+      }
+      for (int l = 0; l < kLevels; ++l) {
+        float s = _mm512_reduce_add_ps(acc[l]);
+        for (int64_t j = i; j < e; ++j)
+          if (w[j] >= level_floor(l)) s += w[j], ++count[l];
+        sum[l] += s;
+      }
+    }
+    for (int l = 0; l < kLevels; ++l)
+      if (k > 0 ? count[l] >= k : sum[l] >= mass) return l;
+    return kLevels;
+  }
+
+  // cand_: the tokens of weight >= the level's floor (and > 0), in vocabulary order.
+  void gather(const float* w, int64_t V, int level) {
+    const float floor = level_floor(level);
+    cand_.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (w[i] >= floor) cand_.emplace_back(w[i], (int32_t)i);
+  }
+
+  // Moves to the front of cand_ the tokens top-p keeps, those whose weight ranked above them (largest
+  // first, equal ones by index) is under `need`, and returns how many; `before` is their weight. A
+  // selection rather than a sort: each round splits the undecided tokens around one weight, keeps the
+  // larger ones whole where they stay under `need` and drops the smaller ones where they do not.
+  size_t nucleus(double need, double& before) {
+    size_t lo = 0, hi = cand_.size();  // [0, lo) kept, [lo, hi) undecided, [hi, end) dropped
+    before = 0.0;
+    while (lo < hi && before < need) {
+      const float pivot = cand_[lo + (hi - lo) / 2].first;
+      const auto first = cand_.begin() + lo, last = cand_.begin() + hi;
+      const auto larger = std::partition(first, last, [pivot](const auto& c) { return c.first > pivot; });
+      const auto equal = std::partition(larger, last, [pivot](const auto& c) { return c.first == pivot; });
+      double above = 0.0;
+      for (auto it = first; it != larger; ++it) above += it->first;
+      if (larger != first && before + above >= need) {  // the cut falls among the larger ones
+        hi = larger - cand_.begin();
+        continue;
+      }
+      before += above;  // the larger ones all kept; then the equal ones by index while under need
+      std::sort(larger, equal, [](const auto& a, const auto& b) { return a.second < b.second; });
+      lo = larger - cand_.begin();
+      const size_t end = equal - cand_.begin();
+      while (lo < end && before < need) before += cand_[lo++].first;
+    }
+    return lo;
+  }
+
+  std::vector<float> w_;
+  std::vector<std::pair<float, int32_t>> cand_;
+};
+
 // ------------------------------------------------------------------------------------------- team
 
 // Waits until `n` threads have arrived. Spinning costs well under a microsecond where a parallel region
@@ -1747,44 +1968,43 @@ class FusedDecoder {
     return out;
   }
 
+  // After each step of a burst: called with the step's index and its tokens [B]; returns true to end the
+  // burst there. It must not throw (the decoder's team would wait at a barrier for ever).
+  using StepHook = std::function<bool(int64_t step, const int64_t* tokens, int64_t B)>;
+
   // Greedy decoding, up to `steps` steps in one call (slots [steps, B]: the cache slot of each step's new
   // token). Each step runs forward and takes, for every request, the largest of its logits (as logits()
   // computes them for the sampler) as its next input. The call ends early after a step in which every
-  // request has produced one of its stop_ids, or once interrupt() has been called (from any thread; the
-  // step running completes). Returns the tokens [steps done, B].
+  // request has produced one of its stop_ids, once interrupt() has been called (from any thread; the
+  // step running completes), or once after_step asks it to. Returns the tokens [steps done, B].
   torch::Tensor decode_greedy(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              std::vector<std::vector<int64_t>> stop_ids) {
-    const int64_t B = input_ids.size(0), steps = slots.size(0);
-    TORCH_CHECK(slots.dim() == 2 && slots.size(1) == B && (int64_t)stop_ids.size() == B, "slots: [steps, batch]");
-    Burst burst{input_ids.to(torch::kLong).clone(), positions.to(torch::kLong).clone(),
-                seq_lens.to(torch::kLong).clone(), slots.to(torch::kLong).contiguous(),
-                torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false)};
-    TORCH_CHECK(burst.ids.size(0) == B && burst.pos.size(0) == B && burst.lens.size(0) == B &&
-                block_tables.size(0) == B, "batch mismatch");
-    check_bounds(burst.slots, block_tables, burst.lens, std::max<int64_t>(steps - 1, 0));
-    int64_t done = 0;
-    if (runs_in_team(B)) {
-      done = greedy_team(burst, block_tables, steps);
-    } else {
-      std::vector<Best> best(B);
-      while (done < steps) {
-        auto logits = matrix_product<T>(head_, forward(burst.ids, burst.pos, burst.slots[done], block_tables,
-                                                       burst.lens), c10::nullopt);
-        if (final_softcap_ > 0.f) softcap_rows(data_mut(logits), logits.numel(), final_softcap_);
-        const T* rows = data(logits);
-        const int64_t V = logits.size(1);
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t i = argmax_row(rows + b * V, V);
-          best[b] = {vocab_start_ + i, to_float(rows[b * V + i])};
-        }
-        const bool stop = group_best(best, interrupted_.load());
-        for (int64_t b = 0; b < B; ++b) burst.take(done, b, best[b].index);
-        if (!burst.go_on(++done, steps, stop)) break;
-      }
-    }
-    if (group_) group_->check();
-    return burst.tokens.slice(0, 0, done);
+                              std::vector<std::vector<int64_t>> stop_ids, const StepHook& after_step = nullptr) {
+    return decode_steps(input_ids, positions, slots, block_tables, seq_lens, std::move(stop_ids), nullptr,
+                        after_step);
+  }
+
+  // decode_greedy, with request b's token of step j drawn from the step's logits as sample_rows draws it
+  // from the rows logits() gives: temperature[b], top_k[b], top_p[b], min_p[b] and the uniform number
+  // u[j, b]; at temperature 0, or where no logit is finite, the largest logit. Not in a tensor-parallel
+  // group (a draw needs the whole row).
+  torch::Tensor decode_sampled(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
+                               torch::Tensor block_tables, torch::Tensor seq_lens,
+                               std::vector<std::vector<int64_t>> stop_ids, torch::Tensor temperature,
+                               torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u,
+                               const StepHook& after_step = nullptr) {
+    TORCH_CHECK(!group_, "decode_sampled draws from whole rows: not in a tensor-parallel group");
+    const int64_t B = input_ids.size(0);
+    auto t = temperature.to(torch::kFloat).contiguous(), k = top_k.to(torch::kLong).contiguous();
+    auto p = top_p.to(torch::kFloat).contiguous(), mp = min_p.to(torch::kFloat).contiguous();
+    auto uu = u.to(torch::kDouble).contiguous();
+    TORCH_CHECK(t.numel() == B && k.numel() == B && p.numel() == B && mp.numel() == B,
+                "temperature, top_k, top_p, min_p: one per request");
+    TORCH_CHECK(uu.dim() == 2 && uu.size(0) == slots.size(0) && uu.size(1) == B, "u: [steps, batch]");
+    const Draws draws{t.data_ptr<float>(), p.data_ptr<float>(), mp.data_ptr<float>(), k.data_ptr<int64_t>(),
+                      uu.data_ptr<double>()};
+    return decode_steps(input_ids, positions, slots, block_tables, seq_lens, std::move(stop_ids), &draws,
+                        after_step);
   }
 
   // forward, then the output layer: logits [B, vocab] = hidden x head^T (as a separate linear layer
@@ -1957,6 +2177,60 @@ class FusedDecoder {
       for (int64_t k = 0; k < s.B * hidden_; ++k) x[k] = from_float<T>(to_float(x[k]) * embed_scale_);
   }
 
+  // A burst's draws (decode_sampled): request b's token of step j is RowSampler::draw of its row with
+  // temperature[b], top_k[b], top_p[b], min_p[b] and u[j * B + b]; -1 where the largest logit is the
+  // token (temperature 0, or no finite logit).
+  struct Draws {
+    const float *temperature, *top_p, *min_p;
+    const int64_t* top_k;
+    const double* u;
+    int64_t draw(RowSampler& sampler, const T* row, int64_t V, int64_t b, int64_t B, int64_t step) const {
+      if (!(temperature[b] > 0.f)) return -1;
+      return sampler.draw(row, V, temperature[b], top_k[b], top_p[b], min_p[b], u[step * B + b]);
+    }
+  };
+
+  // decode_greedy and decode_sampled (draws: null for greedy).
+  torch::Tensor decode_steps(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
+                             torch::Tensor block_tables, torch::Tensor seq_lens,
+                             std::vector<std::vector<int64_t>> stop_ids, const Draws* draws,
+                             const StepHook& after_step) {
+    const int64_t B = input_ids.size(0), steps = slots.size(0);
+    TORCH_CHECK(slots.dim() == 2 && slots.size(1) == B && (int64_t)stop_ids.size() == B, "slots: [steps, batch]");
+    Burst burst{input_ids.to(torch::kLong).clone(), positions.to(torch::kLong).clone(),
+                seq_lens.to(torch::kLong).clone(), slots.to(torch::kLong).contiguous(),
+                torch::empty({steps, B}, torch::kLong), std::move(stop_ids), std::vector<bool>(B, false)};
+    TORCH_CHECK(burst.ids.size(0) == B && burst.pos.size(0) == B && burst.lens.size(0) == B &&
+                block_tables.size(0) == B, "batch mismatch");
+    check_bounds(burst.slots, block_tables, burst.lens, std::max<int64_t>(steps - 1, 0));
+    int64_t done = 0;
+    if (runs_in_team(B)) {
+      done = greedy_team(burst, block_tables, steps, draws, after_step);
+    } else {
+      std::vector<Best> best(B);
+      RowSampler sampler;
+      while (done < steps) {
+        auto logits = matrix_product<T>(head_, forward(burst.ids, burst.pos, burst.slots[done], block_tables,
+                                                       burst.lens), c10::nullopt);
+        if (final_softcap_ > 0.f) softcap_rows(data_mut(logits), logits.numel(), final_softcap_);
+        const T* rows = data(logits);
+        const int64_t V = logits.size(1);
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t i = argmax_row(rows + b * V, V);
+          best[b] = {vocab_start_ + i, to_float(rows[b * V + i])};
+          const int64_t drawn = draws ? draws->draw(sampler, rows + b * V, V, b, B, done) : -1;
+          if (drawn >= 0) best[b].index = drawn;
+        }
+        const bool stop = group_best(best, interrupted_.load());
+        for (int64_t b = 0; b < B; ++b) burst.take(done, b, best[b].index);
+        const bool more = burst.go_on(++done, steps, stop);
+        if ((after_step && after_step(done - 1, longs(burst.tokens) + (done - 1) * B, B)) || !more) break;
+      }
+    }
+    if (group_) group_->check();
+    return burst.tokens.slice(0, 0, done);
+  }
+
   // A burst's state: each request's next input, position and context length, advanced step by step.
   struct Burst {
     torch::Tensor ids, pos, lens, slots, tokens;
@@ -2000,7 +2274,8 @@ class FusedDecoder {
   // virtual machine's CPU paused for a few milliseconds, an interrupt, gives one now and then on a quiet
   // machine, and kSoloCalls calls on one thread would cost far more than the pause did.
   // The time thread 0 spends in the group's sums (the others wait for it at a barrier) is another rank's
-  // pace, not a sign that this rank's team lost a core: it is taken out of the lag.
+  // pace, and the time it spends in a burst's after_step the caller's, not a sign that this rank's team
+  // lost a core: both are taken out of the lag.
   template <typename F>
   void team(int threads, const F& body) {
     group_cycles_ = 0;
@@ -2012,7 +2287,7 @@ class FusedDecoder {
     if (threads > 1) note_lag(clock.lag());
     last_team_ = {clock.threads, clock.barriers};
   }
-  uint64_t group_cycles_ = 0;  // this region's, by thread 0
+  uint64_t group_cycles_ = 0;  // this region's, by thread 0 (group sums and after_step)
   std::pair<int, int64_t> last_team_{0, 0};
 
  public:
@@ -2435,8 +2710,11 @@ class FusedDecoder {
   // the next step, so neither the output layer nor a new step starts cold or waits for a new region.
   // Each thread takes the largest logit of its rows (rounded as logits() leaves them; first index on
   // ties, the first NaN if any, as argmax_row), and one thread combines them in row order, which gives
-  // the whole row's argmax. Returns the number of steps done.
-  int64_t greedy_team(Burst& burst, const torch::Tensor& block_tables, int64_t steps) {
+  // the whole row's argmax. With draws, the threads then draw the sampled requests' rows, a row each in
+  // turn, and a drawn token takes the argmax's place. after_step runs on that one thread, the others
+  // waiting. Returns the number of steps done.
+  int64_t greedy_team(Burst& burst, const torch::Tensor& block_tables, int64_t steps, const Draws* draws,
+                      const StepHook& after_step) {
     const int64_t B = burst.ids.size(0), V = head_.N;
     if (steps == 0) return 0;
     StepInputs in = prepare(burst.ids, burst.pos, burst.slots[0], block_tables, burst.lens);  // the first step's
@@ -2448,6 +2726,7 @@ class FusedDecoder {
     TeamBuffers buf(*this, B, threads);
     std::vector<T> logits(B * V);
     std::vector<Best> best(threads * B), picks(B);  // each thread's, over its rows (index -1: an empty share)
+    std::vector<int64_t> drawn(draws ? B : 0);  // each sampled request's token (-1: the largest logit)
     // Inside the region nothing may throw (the other threads would wait at a barrier for ever): the
     // positions of every step must lie in the rotary table (every token chosen is a row of the
     // embedding: the constructor checked the head has no more rows).
@@ -2474,6 +2753,11 @@ class FusedDecoder {
           best[w * B + b] = {i, i >= 0 ? to_float(row[i]) : 0.f};
         }
         barrier.wait(n);
+        if (draws) {  // the requests' rows drawn by the threads in turn, whole (the logits are all written)
+          static thread_local RowSampler sampler;
+          for (int64_t b = w; b < B; b += n) drawn[b] = draws->draw(sampler, logits.data() + b * V, V, b, B, done);
+          barrier.wait(n);
+        }
         if (w == 0) {
           for (int64_t b = 0; b < B; ++b) {
             int64_t pick = -1;
@@ -2487,13 +2771,18 @@ class FusedDecoder {
               }
               if (pick < 0 || c.value > top) pick = c.index, top = c.value;
             }
-            picks[b] = {vocab_start_ + pick, top};
+            picks[b] = {vocab_start_ + (draws && drawn[b] >= 0 ? drawn[b] : pick), top};
           }
           const uint64_t t0 = __rdtsc();
           const bool stop = group_best(picks, interrupted_.load());
           group_cycles_ += group_ ? __rdtsc() - t0 : 0;
           for (int64_t b = 0; b < B; ++b) burst.take(done, b, picks[b].index);
           more = burst.go_on(++done, steps, stop);
+          if (after_step) {  // the others wait for it: its time is the caller's, not a sign of a lost core
+            const uint64_t t1 = __rdtsc();
+            if (after_step(done - 1, longs(burst.tokens) + (done - 1) * B, B)) more = false;
+            group_cycles_ += __rdtsc() - t1;
+          }
           if (more) next_step();
         }
         barrier.wait(n);
@@ -3222,224 +3511,6 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// ------------------------------------------------------------------------------------------ sampling
-
-// One token drawn from softmax(row / temperature) under top-k, top-p and min-p, by inverting the kept
-// tokens' cumulative weights at u in [0, 1); the argmax where temperature is 0. The same definitions as
-// the sampler's torch path (tokenmill/sample/sampler.py): a NaN logit is -inf and +inf the largest float
-// after the division; top-k keeps the k largest (of equal ones, the first), renormalised among them;
-// top-p keeps tokens, largest first, while the probability ranked above them stays under top_p (the
-// first always); min-p keeps tokens of at least min_p times the largest one's probability. A token of
-// weight 0 (a -inf logit) is never drawn. -1 where no logit is finite (the caller's fallback).
-//
-// Two passes over the row give the weights w = exp(y - max) and their sum; truncation then looks only at
-// the tokens above the first of a few thresholds on w (e^-1, e^-2, ... e^-64, all) that holds top_k
-// tokens or top_p of the mass, where the definitions' cut must fall, and select the kept ones among
-// those in linear time (nth_element for top-k, a quickselect on the weight for top-p), never sorting them.
-class RowSampler {
- public:
-  template <typename T>
-  int64_t draw(const T* row, int64_t V, float temperature, int64_t top_k, float top_p, float min_p, double u) {
-    if (!(temperature > 0.f)) return argmax_row(row, V);
-    w_.resize(V);
-    float* w = w_.data();
-    const float m = scaled(row, V, temperature, w);
-    if (m == -INFINITY) return -1;
-    const double total = weigh(w, V, m);
-    const bool by_k = top_k > 0 && top_k < V;
-    if (!by_k && !(top_p < 1.f)) return draw_all(w, V, min_p, u);
-    for (int level = first_level(w, V, by_k ? top_k : 0, by_k ? 0.0 : top_p * total); ; ++level) {
-      gather(w, V, level);
-      if (by_k && (int64_t)cand_.size() > top_k) {  // the k first by rank: largest, equal ones by index
-        std::nth_element(cand_.begin(), cand_.begin() + top_k, cand_.end(), [](const auto& a, const auto& b) {
-          return a.first > b.first || (a.first == b.first && a.second < b.second);
-        });
-        cand_.resize(top_k);
-      }
-      size_t keep = cand_.size();
-      if (top_p < 1.f) {
-        double set_total = total;
-        if (by_k) {  // top-k renormalises among its k
-          set_total = 0.0;
-          for (const auto& c : cand_) set_total += c.first;
-        }
-        const double need = (double)top_p * set_total;
-        double before = 0.0;
-        keep = nucleus(need, before);
-        // The nucleus did not close among these: it reaches tokens below this threshold.
-        if (keep == cand_.size() && !by_k && level < kLevels && before < need) continue;
-      }
-      double kept = 0.0;  // the kept tokens (in no particular order) of weight >= min_p
-      for (size_t j = 0; j < keep; ++j) kept += cand_[j].first >= min_p ? cand_[j].first : 0.0;
-      const double target = u * kept;
-      double cum = 0.0;
-      int64_t last = cand_[0].second;
-      for (size_t j = 0; j < keep; ++j) {
-        if (!(cand_[j].first >= min_p)) continue;
-        last = cand_[j].second;
-        cum += cand_[j].first;
-        if (cum > target) return last;
-      }
-      return last;  // u * kept rounded up to kept
-    }
-  }
-
- private:
-  static constexpr int kLevels = 7;  // thresholds e^-1 .. e^-64, then every token of positive weight
-  static float level_floor(int level) {
-    static const float floors[kLevels] = {0.36787944f, 0.13533528f, 0.01831564f, 3.3546263e-4f,
-                                          1.1253517e-7f, 1.2664166e-14f, 1.6038109e-28f};
-    return level < kLevels ? floors[level] : std::numeric_limits<float>::denorm_min();
-  }
-
-  // w[i] = row[i] / temperature (NaN: -inf, +inf: the largest float); returns their maximum.
-  template <typename T>
-  static float scaled(const T* row, int64_t V, float temperature, float* w) {
-    const __m512 t = _mm512_set1_ps(temperature), big = _mm512_set1_ps(FLT_MAX), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 vmax = ninf;
-    int64_t i = 0;
-    for (; i + 16 <= V; i += 16) {
-      __m512 y = _mm512_div_ps(load16(row + i), t);
-      y = _mm512_mask_mov_ps(_mm512_min_ps(y, big), _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), ninf);
-      _mm512_storeu_ps(w + i, y);
-      vmax = _mm512_max_ps(vmax, y);
-    }
-    float m = _mm512_reduce_max_ps(vmax);
-    for (; i < V; ++i) {
-      float y = to_float(row[i]) / temperature;
-      y = std::isnan(y) ? -INFINITY : std::min(y, FLT_MAX);
-      w[i] = y;
-      m = std::max(m, y);
-    }
-    return m;
-  }
-
-  // w[i] = exp(w[i] - m), 0 for -inf; returns their sum, in the order chunk_sum adds them.
-  static double weigh(float* w, int64_t V, float m) {
-    const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 16 <= V; i += 16) {
-      const __m512 y = _mm512_loadu_ps(w + i);
-      const __mmask16 finite = _mm512_cmp_ps_mask(y, ninf, _CMP_NEQ_OQ);
-      _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(finite, exp_ps(_mm512_sub_ps(y, vm))));
-    }
-    for (; i < V; ++i) w[i] = w[i] == -INFINITY ? 0.f : std::exp(w[i] - m);
-    double total = 0.0;
-    for (int64_t c = 0; c < V; c += kChunk) total += chunk_sum(w, c, std::min(V, c + kChunk), 0.f);
-    return total;
-  }
-
-  static constexpr int64_t kChunk = 256;
-  // The sum of w[i] >= floor over [a, b): 16 lanes, then across them.
-  static float chunk_sum(const float* w, int64_t a, int64_t b, float floor) {
-    const __m512 f = _mm512_set1_ps(floor);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = a;
-    for (; i + 16 <= b; i += 16) {
-      const __m512 v = _mm512_loadu_ps(w + i);
-      acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(v, f, _CMP_GE_OQ), acc, v);
-    }
-    float s = _mm512_reduce_add_ps(acc);
-    for (; i < b; ++i) s += w[i] >= floor ? w[i] : 0.f;
-    return s;
-  }
-
-  // No top-k or top-p: tokens of weight >= min_p (all, where it is 0), drawn in vocabulary order. The
-  // chunk holding the target is found from chunk sums made as the total's were, then walked token by token.
-  static int64_t draw_all(const float* w, int64_t V, float min_p, double u) {
-    double kept = 0.0;
-    for (int64_t c = 0; c < V; c += kChunk) kept += chunk_sum(w, c, std::min(V, c + kChunk), min_p);
-    const double target = u * kept;
-    double cum = 0.0;
-    int64_t last = -1;
-    for (int64_t c = 0; c < V; c += kChunk) {
-      const int64_t e = std::min(V, c + kChunk);
-      const float s = chunk_sum(w, c, e, min_p);
-      if (cum + s <= target && e < V) {
-        cum += s;
-        continue;
-      }
-      for (int64_t i = c; i < e; ++i) {
-        if (!(w[i] >= min_p) || w[i] == 0.f) continue;
-        last = i;
-        cum += w[i];
-        if (cum > target) return i;
-      }
-      if (last >= 0) return last;  // the chunk's token-by-token sum rounded below its vector sum
-    }
-    return last;
-  }
-
-  // The first threshold level holding at least k tokens (k > 0), or at least `mass` of weight.
-  static int first_level(const float* w, int64_t V, int64_t k, double mass) {
-    int64_t count[kLevels] = {};
-    double sum[kLevels] = {};
-    __m512 lv[kLevels];
-    for (int l = 0; l < kLevels; ++l) lv[l] = _mm512_set1_ps(level_floor(l));
-    for (int64_t c = 0; c < V; c += kChunk) {
-      const int64_t e = std::min(V, c + kChunk);
-      __m512 acc[kLevels];
-      for (int l = 0; l < kLevels; ++l) acc[l] = _mm512_setzero_ps();
-      int64_t i = c;
-      for (; i + 16 <= e; i += 16) {
-        const __m512 v = _mm512_loadu_ps(w + i);
-        for (int l = 0; l < kLevels; ++l) {
-          const __mmask16 in = _mm512_cmp_ps_mask(v, lv[l], _CMP_GE_OQ);
-          count[l] += __builtin_popcount(in);
-          acc[l] = _mm512_mask_add_ps(acc[l], in, acc[l], v);
-        }
-      }
-      for (int l = 0; l < kLevels; ++l) {
-        float s = _mm512_reduce_add_ps(acc[l]);
-        for (int64_t j = i; j < e; ++j)
-          if (w[j] >= level_floor(l)) s += w[j], ++count[l];
-        sum[l] += s;
-      }
-    }
-    for (int l = 0; l < kLevels; ++l)
-      if (k > 0 ? count[l] >= k : sum[l] >= mass) return l;
-    return kLevels;
-  }
-
-  // cand_: the tokens of weight >= the level's floor (and > 0), in vocabulary order.
-  void gather(const float* w, int64_t V, int level) {
-    const float floor = level_floor(level);
-    cand_.clear();
-    for (int64_t i = 0; i < V; ++i)
-      if (w[i] >= floor) cand_.emplace_back(w[i], (int32_t)i);
-  }
-
-  // Moves to the front of cand_ the tokens top-p keeps, those whose weight ranked above them (largest
-  // first, equal ones by index) is under `need`, and returns how many; `before` is their weight. A
-  // selection rather than a sort: each round splits the undecided tokens around one weight, keeps the
-  // larger ones whole where they stay under `need` and drops the smaller ones where they do not.
-  size_t nucleus(double need, double& before) {
-    size_t lo = 0, hi = cand_.size();  // [0, lo) kept, [lo, hi) undecided, [hi, end) dropped
-    before = 0.0;
-    while (lo < hi && before < need) {
-      const float pivot = cand_[lo + (hi - lo) / 2].first;
-      const auto first = cand_.begin() + lo, last = cand_.begin() + hi;
-      const auto larger = std::partition(first, last, [pivot](const auto& c) { return c.first > pivot; });
-      const auto equal = std::partition(larger, last, [pivot](const auto& c) { return c.first == pivot; });
-      double above = 0.0;
-      for (auto it = first; it != larger; ++it) above += it->first;
-      if (larger != first && before + above >= need) {  // the cut falls among the larger ones
-        hi = larger - cand_.begin();
-        continue;
-      }
-      before += above;  // the larger ones all kept; then the equal ones by index while under need
-      std::sort(larger, equal, [](const auto& a, const auto& b) { return a.second < b.second; });
-      lo = larger - cand_.begin();
-      const size_t end = equal - cand_.begin();
-      while (lo < end && before < need) before += cand_[lo++].first;
-    }
-    return lo;
-  }
-
-  std::vector<float> w_;
-  std::vector<std::pair<float, int32_t>> cand_;
-};
-
 // sample_rows(logits [R, V] float32 or bfloat16, temperature, top_k, top_p, min_p, u [R]): RowSampler::draw
 // for each row (the rows in parallel).
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
@@ -3469,6 +3540,51 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Ten
   return out;
 }
 
+// A burst's after_step calling on_step(step, tokens) in Python, with the interpreter's lock taken for the
+// call. An exception there ends the burst; the binding raises it once the call is over.
+class PyStepHook {
+ public:
+  explicit PyStepHook(pybind11::object fn) : fn_(std::move(fn)) {}
+  ~PyStepHook() {
+    pybind11::gil_scoped_acquire gil;
+    error_.reset();
+    fn_ = pybind11::object();
+  }
+
+  template <typename D>
+  typename D::StepHook hook() {
+    if (fn_.is_none()) return nullptr;
+    return [this](int64_t step, const int64_t* tokens, int64_t B) {
+      pybind11::gil_scoped_acquire gil;
+      try {
+        pybind11::list row(B);
+        for (int64_t b = 0; b < B; ++b) row[b] = pybind11::int_(tokens[b]);
+        return pybind11::bool_(fn_(step, row)).cast<bool>();
+      } catch (pybind11::error_already_set& e) {
+        error_ = e;
+      } catch (const std::exception& e) {
+        message_ = e.what();
+      }
+      return true;
+    };
+  }
+
+  // After the call, the interpreter's lock held: the exception on_step raised, if it did.
+  void raise() {
+    if (error_) {
+      pybind11::error_already_set e = *error_;
+      error_.reset();
+      throw e;
+    }
+    if (!message_.empty()) throw std::runtime_error("on_step: " + message_);
+  }
+
+ private:
+  pybind11::object fn_;
+  std::optional<pybind11::error_already_set> error_;
+  std::string message_;
+};
+
 template <typename T>
 void bind_decoder(pybind11::module& m, const char* name) {
   namespace py = pybind11;
@@ -3497,7 +3613,37 @@ void bind_decoder(pybind11::module& m, const char* name) {
            py::arg("softmax_after_topk") = false, py::arg("router_bias") = py::none(),
            py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none())
       .def("forward", &D::forward, release())
-      .def("decode_greedy", &D::decode_greedy, release())
+      .def("decode_greedy", [](D& d, torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
+                               torch::Tensor block_tables, torch::Tensor seq_lens,
+                               std::vector<std::vector<int64_t>> stop_ids, py::object on_step) {
+             PyStepHook hook(on_step);
+             torch::Tensor out;
+             {
+               py::gil_scoped_release nogil;
+               out = d.decode_greedy(input_ids, positions, slots, block_tables, seq_lens, std::move(stop_ids),
+                                     hook.hook<D>());
+             }
+             hook.raise();
+             return out;
+           }, py::arg("input_ids"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("stop_ids"), py::arg("on_step") = py::none())
+      .def("decode_sampled", [](D& d, torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
+                                torch::Tensor block_tables, torch::Tensor seq_lens,
+                                std::vector<std::vector<int64_t>> stop_ids, torch::Tensor temperature,
+                                torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u,
+                                py::object on_step) {
+             PyStepHook hook(on_step);
+             torch::Tensor out;
+             {
+               py::gil_scoped_release nogil;
+               out = d.decode_sampled(input_ids, positions, slots, block_tables, seq_lens, std::move(stop_ids),
+                                      temperature, top_k, top_p, min_p, u, hook.hook<D>());
+             }
+             hook.raise();
+             return out;
+           }, py::arg("input_ids"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("stop_ids"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+           py::arg("min_p"), py::arg("u"), py::arg("on_step") = py::none())
       .def("logits", &D::logits, release())
       .def("interrupt", &D::interrupt)
       .def("clear_interrupt", &D::clear_interrupt)

@@ -132,7 +132,7 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     return logits
 
 
-def _shapes_logits(r: Request) -> bool:
+def shapes_logits(r: Request) -> bool:
     """Whether the request asks anything of its logits besides temperature, top-k/p and min-p: logprobs,
     a bias, penalties, min_tokens still to reach, or a grammar."""
     sp = r.sampling_params
@@ -142,7 +142,7 @@ def _shapes_logits(r: Request) -> bool:
 
 def needs_processing(r: Request) -> bool:
     """False for plain greedy choice: the largest logit as it is, nothing else asked of the logits."""
-    return not r.sampling_params.greedy or _shapes_logits(r)
+    return not r.sampling_params.greedy or shapes_logits(r)
 
 
 class Sampler:
@@ -156,7 +156,7 @@ class Sampler:
         if not any(needs_processing(r) for r in reqs):  # plain greedy: the largest logit, as it is
             return cpu_kernels.argmax(logits).tolist(), [None] * len(reqs)
         kernel = cpu_kernels.sampler_kernel(logits)
-        if kernel is not None and not any(_shapes_logits(r) for r in reqs):
+        if kernel is not None and not any(shapes_logits(r) for r in reqs):
             # Temperature, top-k/p and min-p alone: every row in one call of the kernel, as the logits are.
             return self._kernel_draw(kernel, logits, reqs, range(len(reqs))).tolist(), [None] * len(reqs)
         logits = logits.float()
