@@ -222,15 +222,19 @@ class LLMEngine:
         top-k/p and min-p alone) with nothing waiting may run up to config.num_scheduler_steps steps back
         to back (a burst) in one call of the fused CPU decoder; each step's tokens are then taken as a step
         of their own would take them. With `emit`, every step's outputs go to it in order and step()
-        returns nothing: a burst takes and emits each step's tokens as soon as they are chosen, from
-        inside the call (each streamed token must reach its client as soon as it is computed), and ends
-        once every request has finished. Without it each request reports once, with all its new tokens."""
+        returns nothing: where a request is read as it goes, a burst takes and emits each step's tokens as
+        soon as they are chosen, from inside the call (each streamed token must reach its client as soon
+        as it is computed), and ends once every request has finished. Without it each request reports
+        once, with all its new tokens."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         latest: dict[str, RequestOutput] = {}
 
         steps = self._burst_steps(sched, streaming=emit is not None)
-        taken = emit is not None and self.runner.whole_bursts  # each step taken and emitted inside the burst
+        # Each step taken and emitted inside the burst where a request is read as it goes: a call into the
+        # engine's Python while the decoder's other threads wait, so only then.
+        taken = emit is not None and self.runner.whole_bursts and any(
+            s.request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY for s in sched.scheduled)
         results = None
         if steps > 1:
             on_step = (lambda result: self._emit_step(sched, result, emit)) if taken else None
