@@ -211,7 +211,8 @@ def test_a_request_s_logits_in_a_step_of_12_are_those_it_gets_alone(tiny_models,
     not depend on the rows beside it."""
     if cpu_kernels.load() is None:
         pytest.skip("the CPU decode kernels do not run here")
-    llm = LLM(tiny_models[arch], dtype="bfloat16", seed=0, kv_cache_memory=1 << 22)
+    # Single steps: a burst would draw these sampled tokens inside the decoder, without decode_logits.
+    llm = LLM(tiny_models[arch], dtype="bfloat16", seed=0, kv_cache_memory=1 << 22, num_scheduler_steps=1)
     model = llm.engine.model
     own, seen = model.decode_logits, []
 
