@@ -461,9 +461,7 @@ def test_server_streams_speculated_tokens_and_reports_metrics(default_gguf):
     from server_utils import ServerProcess
 
     text = "Blocks of sixteen tokens are hashed with every token before them, so a later request finds them."
-    # Single steps: the answer is short, and a burst of plain steps (which a streamed request gets where
-    # prompt lookup has nothing to propose) could cover all of it.
-    server = ServerProcess(default_gguf, "--speculative-config", json.dumps(NGRAM), "--num-scheduler-steps", "1")
+    server = ServerProcess(default_gguf, "--speculative-config", json.dumps(NGRAM))
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         body = {"model": model, "stream": True, "max_tokens": 40, "temperature": 0,

@@ -327,8 +327,9 @@ class LLMEngine:
     def _burst_steps(self, sched, streaming: bool) -> int:
         """How many decode steps this step may run back to back: 1 unless every scheduled request decodes
         past its prompt with tokens a burst chooses (runner.bursts_choose), nothing waits and, with
-        `streaming` consumers whose bursts cannot hand over each step (a tensor-parallel shard's), none
-        streams; never past a request's max_tokens or the context length, and only as far as free KV
+        `streaming` consumers, none streams where bursts cannot hand over each step (a tensor-parallel
+        shard's) or where proposals are made (a streamed request then proposes at every step, which
+        measured faster through the server than bursts where prompt lookup had nothing to propose); never past a request's max_tokens or the context length, and only as far as free KV
         blocks hold every request's tokens."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
@@ -337,7 +338,7 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             if s.num_new_tokens != 1 or not s.samples or not self.runner.bursts_choose(req) or in_prompt(s) or (
-                    streaming and not self.runner.whole_bursts
+                    streaming and (not self.runner.whole_bursts or self.proposer is not None)
                     and req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,
