@@ -231,12 +231,12 @@ class LLMEngine:
         latest: dict[str, RequestOutput] = {}
 
         steps = self._burst_steps(sched, streaming=emit is not None)
-        # Each step taken and emitted inside the burst where a request is read as it goes: a call into the
-        # engine's Python while the decoder's other threads wait, so only then.
-        taken = emit is not None and self.runner.whole_bursts and any(
-            s.request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY for s in sched.scheduled)
-        results = None
+        taken, results = False, None  # taken: each step already taken and emitted inside the burst
         if steps > 1:
+            # Only where a request is read as it goes: a call into the engine's Python while the decoder's
+            # other threads wait.
+            taken = emit is not None and self.runner.whole_bursts and any(
+                s.request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY for s in sched.scheduled)
             on_step = (lambda result: self._emit_step(sched, result, emit)) if taken else None
             results = self.runner.execute_burst(sched, steps, self._interrupted.is_set, on_step)
         if results is None:
