@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own C++ tools (llama-bench, llama-server, llama-perplexity, llama-quantize) from the
+# Build llama.cpp's own C++ tools (llama-bench, llama-server, llama-perplexity, llama-quantize, llama-imatrix) from the
 # llama.cpp source vendored in the llama-cpp-python sdist on PyPI, for `tokenmill bench compare`.
 #
 #   benchmarks/build_llama_cpp.sh [DEST]
 #
 # DEST (default: $TOKENMILL_CACHE/llama.cpp, else $XDG_CACHE_HOME/tokenmill/llama.cpp, else
 # ~/.cache/tokenmill/llama.cpp) receives:
-#   bin/llama-bench bin/llama-server bin/llama-perplexity bin/llama-quantize   statically linked, native CPU
+#   bin/llama-bench bin/llama-server bin/llama-perplexity bin/llama-quantize bin/llama-imatrix
+#                                                statically linked, native CPU
 #   convert_hf_to_gguf.py conversion/ gguf-py/   the HF -> GGUF converter (Python; needs torch, numpy,
 #                                                sentencepiece, transformers; run it with PYTHONPATH=DEST/gguf-py)
 #   BUILD_INFO                                   source version and cmake options
@@ -26,7 +27,7 @@ else
 fi
 DEST="${1:-$cache/llama.cpp}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
-TARGETS=(llama-bench llama-server llama-perplexity llama-quantize)
+TARGETS=(llama-bench llama-server llama-perplexity llama-quantize llama-imatrix)
 
 log() { echo "[build_llama_cpp] $*" >&2; }
 

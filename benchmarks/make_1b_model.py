@@ -55,11 +55,11 @@ def make_hf(folder: Path) -> None:
     tmp.rename(folder)
 
 
-def run(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> None:
-    """Runs cmd, which writes out's temporary name, then renames it to out."""
+def run(cmd: list[str], out: Path, env: dict[str, str] | None = None, produced: str | None = None) -> None:
+    """Runs cmd, which writes out's temporary name (`produced`, else out + ".tmp"), then renames it to out."""
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=env)
-    out.with_name(out.name + ".tmp").rename(out)
+    Path(produced or f"{out}.tmp").rename(out)
 
 
 def convert_bf16(lc: Path, hf: Path, bf16: Path) -> None:

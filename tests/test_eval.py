@@ -61,3 +61,17 @@ def test_eval_perplexity_command(tiny_models, tmp_path, capsys):
     assert f"perplexity {want.perplexity:.4f}" in out and "over 48 tokens (3 windows of 32 tokens" in out
     assert main(["eval", "perplexity", folder, "--text", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read the text" in capsys.readouterr().err
+
+
+def test_calibration_text_is_another_text_than_the_evaluation_text():
+    """An importance matrix computed on the calibration text must not have seen the evaluation text."""
+    from tokenmill.data import calibration_text, corpus_text, default_text
+
+    evaluation, calibration = default_text(), calibration_text()
+    assert len(evaluation) > 100_000 and len(calibration) > 300_000
+    assert "\r" not in calibration and not calibration.endswith("\x1a")
+    long_lines = {line.strip() for line in evaluation.splitlines() if len(line.strip()) >= 50}
+    assert len(long_lines) > 500
+    assert not long_lines & {line.strip() for line in calibration.splitlines()}
+    with pytest.raises(ValueError, match="no built-in text"):
+        corpus_text("plrabn12.txt")
