@@ -266,9 +266,44 @@ class QuantizedWeight:
 QUANTIZE_TO = {"int8": (8, 8), "int4": (3, 8)}
 
 
+def _minmax_affine(g: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    return ((hi - lo) / top).half(), lo.half()
+
+
+def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale d and offset m (float16, as stored) of each group of g [..., n] on the grid w ~ d q + m,
+    q in 0..top, with the least squared error found: from the group's range, then alternately rounding q
+    and refitting d and m by least squares. The range's own grid is kept where nothing beats it (weights
+    that already lie on such a grid keep it exactly)."""
+    n = g.shape[-1]
+
+    def error(d, m):
+        df = d.float()
+        inv = torch.where(df > 0, 1 / df, torch.zeros((), dtype=torch.float32))
+        q = ((g - m.float()) * inv).round().clamp(0, top)
+        return ((q * df + m.float() - g) ** 2).sum(-1, keepdim=True), q
+
+    best_d, best_m = _minmax_affine(g, top)
+    best, q = error(best_d, best_m)
+    for _ in range(iterations):
+        sq, sw = q.sum(-1, keepdim=True), g.sum(-1, keepdim=True)
+        sqq, sqw = (q * q).sum(-1, keepdim=True), (q * g).sum(-1, keepdim=True)
+        den = n * sqq - sq * sq
+        d = torch.where(den > 0, (n * sqw - sq * sw) / den.clamp(min=1e-30), best_d.float())
+        d = d.clamp(min=0)
+        m = (sw - d * sq) / n
+        d, m = d.half(), m.half()
+        err, q = error(d, m)
+        better = err < best
+        best_d, best_m, best = torch.where(better, d, best_d), torch.where(better, m, best_m), torch.minimum(err, best)
+    return best_d, best_m
+
+
 def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int | None = None) -> QuantizedWeight:
-    """A float matrix [N, K] quantized by rounding to nearest, in groups of 32 along K:
-    Q8_0 (int8, w = d q with d = max|w| / 127) or Q4_1 (int4, w = d q + m over the group's range)."""
+    """A float matrix [N, K] quantized in groups of 32 along K: Q8_0 (int8, w = d q with d = max|w| / 127,
+    rounded to nearest) or Q4_1 (int4, w = d q + m, d and m fitted to the group by least squares,
+    `_fit_affine`)."""
     n, k = w.shape
     if k % 32:
         raise ValueError(f"{name}: rows of {k} elements do not divide into groups of 32")
@@ -279,8 +314,7 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int |
         q = (g * inv).round().clamp(-127, 127).to(torch.int8)
         blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
     elif qtype == 3:
-        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        d, m = ((hi - lo) / 15).half(), lo.half()
+        d, m = _fit_affine(g, 15)
         inv = torch.where(d > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
         q = ((g - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
         packed = q[..., :16] | (q[..., 16:] << 4)  # GGUF's order: element j low, j + 16 high
