@@ -221,3 +221,25 @@ def test_unknown_pre_goes_to_transformers(tokenizers_by_pre, tmp_path, caplog):
     ours = load_tokenizer(path)
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tekken.gguf")
     assert [ours.encode(t) for t in TEXTS] == [theirs.encode(t) for t in TEXTS]
+
+
+def test_a_tokenizer_transformers_cannot_build_is_a_clear_error(tmp_path):
+    """A type tokenmill has no entry for, whose vocabulary transformers' conversion refuses (a merge of a token
+    the vocabulary lacks): a ValueError naming the file, not the conversion's own exception."""
+    import gguf
+
+    path = tmp_path / "broken.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("tekken")
+    writer.add_token_list(["<s>", "</s>", "a", "b", "ab"])
+    writer.add_token_types([3, 3, 1, 1, 1])
+    writer.add_token_merges(["a b", "ab c"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"broken\.gguf: could not build the file's tokenizer"):
+        load_tokenizer(str(path))

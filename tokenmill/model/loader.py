@@ -256,6 +256,11 @@ def _hf_tokenizer(folder: str):
 
 
 def _transformers_gguf_tokenizer(path: str):
+    """The file's tokenizer as transformers converts it, where tokenmill's own table has no entry for it."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    except Exception as e:  # the conversion's own errors name no file
+        raise ValueError(f"{path}: could not build the file's tokenizer (tokenmill has no table entry for it, and "
+                         f"transformers' GGUF conversion failed: {type(e).__name__}: {e})") from e
