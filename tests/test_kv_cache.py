@@ -41,6 +41,8 @@ def check_invariants(sch: Scheduler) -> None:
         assert b.block_hash is not None and b.block_hash.digest == digest
     for req in sch.waiting:
         assert req.block_ids == []
+    for req in sch.running:  # a finished pass confirms every block its tokens filled
+        assert not set(req.block_ids[:req.num_computed_tokens // BS]) & set(sch.kv._pending)
 
 
 ops = st.lists(st.one_of(
@@ -220,3 +222,28 @@ def test_hit_confirmed_by_tokens_and_salt_isolates():
     exact = Request("u", list(range(8)), SamplingParams(), 1)
     assert len(kv.get_computed_blocks(exact)) == 1
     assert hash_block(None, [1, 2]).digest != hash_block(None, [1, 2], b"x").digest
+
+
+def test_a_pass_confirms_only_the_blocks_it_filled():
+    """Each block a request fills is confirmed once, by the pass that filled it: a decode step does not walk
+    the request's earlier blocks again (a cost that grew with the context)."""
+    kv = KVCacheManager(64, BS, enable_caching=True)
+    popped = []
+
+    class Counting(dict):
+        def pop(self, key, *default):
+            popped.append(key)
+            return super().pop(key, *default)
+
+    kv._pending = Counting()
+    sch = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64 * BS)
+    req = Request("r", list(range(20)), SamplingParams(max_tokens=150), 150)
+    sch.add_request(req)
+    steps = 0
+    while sch.has_unfinished():
+        out = sch.schedule()
+        sch.update(out, fake_model(out))
+        check_invariants(sch)
+        steps += 1
+    assert steps > 150 and req.num_output_tokens == 150
+    assert len(popped) <= (20 + 150) // BS + 1

@@ -196,13 +196,17 @@ class KVCacheManager:
             self.pool.cache(block, req.block_hashes[i])
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
-    def cache_computed_blocks(self, req: Request) -> None:
-        """After a finished forward pass: the request's computed blocks are written, so confirmed; and
-        those that a burst of decode steps filled (they had no tokens yet at allocation) are registered."""
+    def cache_computed_blocks(self, req: Request, computed_before: int = 0) -> None:
+        """After a finished forward pass that took the request from computed_before computed tokens to
+        num_computed_tokens: the blocks it filled are written, so confirmed; and those that a burst of decode
+        steps filled (they had no tokens yet at allocation) are registered. Blocks full before the pass were
+        confirmed by an earlier one, so a decode step costs the same at any context."""
         bs = self.block_size
-        for i in range(req.num_computed_tokens // bs):
-            self._pending.pop(req.block_ids[i], None)
-        if req.num_computed_tokens // bs > req.num_cached_blocks:
+        full = req.num_computed_tokens // bs
+        if self._pending:
+            for i in range(min(computed_before // bs, full), full):
+                self._pending.pop(req.block_ids[i], None)
+        if full > req.num_cached_blocks:
             self._cache_full_blocks(req, req.num_computed_tokens)
 
     def drop_unwritten(self) -> None:

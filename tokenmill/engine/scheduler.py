@@ -191,13 +191,14 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # aborted while the step ran, or stopped at an earlier pass
                 continue
+            before = req.num_computed_tokens
             if model_out.spec_pass:
                 if req.request_id not in model_out.sampled:
                     continue
                 req.num_computed_tokens += 1
             else:
                 req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
-            self.kv.cache_computed_blocks(req)
+            self.kv.cache_computed_blocks(req, before)
             # A request recomputed after it grew past the model's kv_recompute_length has its prompt's already.
             if req.request_id in model_out.prompt_logprobs and len(req.prompt_logprobs) < req.num_prompt_tokens:
                 req.prompt_logprobs.extend(model_out.prompt_logprobs[req.request_id])
