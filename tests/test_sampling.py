@@ -226,6 +226,31 @@ def test_logprobs_are_normalised_and_ranked(tiny_models):
         assert out.prompt_token_ids[pos] in d
 
 
+def test_each_logprob_is_decoded_once_however_many_outputs_carry_it(tiny_models, monkeypatch):
+    """A request read step by step gets an output per token, each with all its logprobs so far: their
+    tokens' texts are decoded once, not again for every later output (a cost that grew with the length)."""
+    from tokenmill.engine.output_processor import OutputProcessor
+
+    llm = LLM(tiny_models["qwen2"], dtype="float32")
+    looked_at = []
+    decode = OutputProcessor._decode_logprobs
+    monkeypatch.setattr(OutputProcessor, "_decode_logprobs", lambda self, d: looked_at.append(id(d)) or decode(self, d))
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[3], SamplingParams(temperature=0, max_tokens=40, logprobs=2, prompt_logprobs=1,
+                                                       ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == "a"]
+    assert len(outputs) > 20  # read step by step
+    final = outputs[-1]
+    assert len(final.outputs[0].logprobs) == 40
+    positions = 40 + len(final.prompt_logprobs) - 1  # (the first prompt position has none)
+    assert len(looked_at) == len(set(looked_at)) == positions
+    for out in outputs:  # every output's logprobs carry their texts
+        for d in out.outputs[0].logprobs + out.prompt_logprobs[1:]:
+            assert all(lp.decoded_token is not None for lp in d.values())
+
+
 @pytest.mark.parametrize("kwargs,fragment", [
     ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
     ({"temperature": -1}, "temperature"),

@@ -26,6 +26,8 @@ class ParentState:
     finished_reasons: dict[int, str] = field(default_factory=dict)
     stop_reasons: dict[int, object] = field(default_factory=dict)
     error: str | None = None  # why the request failed alone, if it did
+    # logprob list key (a child's index, or "prompt") -> (that list, how many of its entries are decoded)
+    decoded: dict[object, tuple[list, int]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -116,7 +118,7 @@ class OutputProcessor:
             reason = p.finished_reasons.get(c.index)
             lps = None
             if c.sampling_params.logprobs is not None and p.error is None:
-                lps = [self._decode_logprobs(d) for d in c.logprobs]
+                lps = self._decoded(p, c.index, c.logprobs)
             completions.append(CompletionOutput(
                 index=c.index, text=det.visible_text(reason is not None), token_ids=list(c.output_token_ids),
                 cumulative_logprob=c.cumulative_logprob if c.sampling_params.logprobs is not None else None,
@@ -126,7 +128,7 @@ class OutputProcessor:
         first = p.children[0]
         prompt_lps = None
         if first.sampling_params.prompt_logprobs is not None and p.error is None:
-            prompt_lps = [None if d is None else self._decode_logprobs(d) for d in first.prompt_logprobs]
+            prompt_lps = self._decoded(p, "prompt", first.prompt_logprobs)
         if p.finished:
             p.metrics.finished_time = now
             self._forget(p)
@@ -134,6 +136,19 @@ class OutputProcessor:
             request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids, outputs=completions,
             finished=p.finished, metrics=p.metrics, prompt_logprobs=prompt_lps,
             num_cached_tokens=max(0, first.num_cached_tokens), error=p.error)
+
+    def _decoded(self, p: ParentState, key, lps: list) -> list:
+        """A copy of lps (logprob dicts, or None for a position that has none) with every token's text
+        decoded. Each output carries the whole list, so the entries decoded for an earlier output are not
+        looked at again (the list only grows; a new list, as after a recompute, starts over)."""
+        seen, done = p.decoded.get(key, (None, 0))
+        if seen is not lps or done > len(lps):
+            done = 0
+        for d in lps[done:]:
+            if d is not None:
+                self._decode_logprobs(d)
+        p.decoded[key] = (lps, len(lps))
+        return list(lps)
 
     def _decode_logprobs(self, d: dict) -> dict:
         for tid, lp in d.items():
