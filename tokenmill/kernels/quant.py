@@ -314,7 +314,9 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int |
         q = (g * inv).round().clamp(-127, 127).to(torch.int8)
         blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
     elif qtype == 3:
-        d, m = _fit_affine(g, 15)
+        # (by rows: the fit's temporaries are a few times the rows' float32 size; an expert stack is large)
+        fits = [_fit_affine(part, 15) for part in g.split(4096)]
+        d, m = torch.cat([f[0] for f in fits]), torch.cat([f[1] for f in fits])
         inv = torch.where(d > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
         q = ((g - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
         packed = q[..., :16] | (q[..., 16:] << 4)  # GGUF's order: element j low, j + 16 high
