@@ -235,8 +235,8 @@ class LLMEngine:
         if steps > 1:
             # Only where a request is read as it goes: a call into the engine's Python while the decoder's
             # other threads wait.
-            taken = emit is not None and self.runner.whole_bursts and any(
-                s.request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY for s in sched.scheduled)
+            taken = emit is not None and self.runner.whole_bursts and any(_read_as_it_goes(s.request)
+                                                                          for s in sched.scheduled)
             on_step = (lambda result: self._emit_step(sched, result, emit)) if taken else None
             results = self.runner.execute_burst(sched, steps, self._interrupted.is_set, on_step)
         if results is None:
@@ -329,8 +329,9 @@ class LLMEngine:
         past its prompt with tokens a burst chooses (runner.bursts_choose), nothing waits and, with
         `streaming` consumers, none streams where bursts cannot hand over each step (a tensor-parallel
         shard's) or where proposals are made (a streamed request then proposes at every step, which
-        measured faster through the server than bursts where prompt lookup had nothing to propose); never past a request's max_tokens or the context length, and only as far as free KV
-        blocks hold every request's tokens."""
+        measured faster through the server than bursts where prompt lookup had nothing to propose); never
+        past a request's max_tokens or the context length, and only as far as free KV blocks hold every
+        request's tokens."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
                 or self._interrupted.is_set()):
@@ -339,7 +340,7 @@ class LLMEngine:
             req = s.request
             if s.num_new_tokens != 1 or not s.samples or not self.runner.bursts_choose(req) or in_prompt(s) or (
                     streaming and (not self.runner.whole_bursts or self.proposer is not None)
-                    and req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY):
+                    and _read_as_it_goes(req)):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,
                         self._steps_before_recompute(req))
@@ -389,3 +390,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.kv_manager.reset_prefix_cache()
+
+
+def _read_as_it_goes(req) -> bool:
+    """Whether the request's reader takes its outputs step by step (streamed), not only the final one."""
+    return req.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY

@@ -271,6 +271,13 @@ def _minmax_affine(g: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tenso
     return ((hi - lo) / top).half(), lo.half()
 
 
+def _affine_codes(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor, top: int) -> torch.Tensor:
+    """g's codes (float) on the grid d q + m, q in 0..top, rounded to nearest (all 0 where d is 0)."""
+    df = d.float()
+    inv = torch.where(df > 0, 1 / df, torch.zeros((), dtype=torch.float32))
+    return ((g - m.float()) * inv).round().clamp(0, top)
+
+
 def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale d and offset m (float16, as stored) of each group of g [..., n] on the grid w ~ d q + m,
     q in 0..top, with the least squared error found: from the group's range, then alternately rounding q
@@ -279,10 +286,8 @@ def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4) -> tuple[torch.T
     n = g.shape[-1]
 
     def error(d, m):
-        df = d.float()
-        inv = torch.where(df > 0, 1 / df, torch.zeros((), dtype=torch.float32))
-        q = ((g - m.float()) * inv).round().clamp(0, top)
-        return ((q * df + m.float() - g) ** 2).sum(-1, keepdim=True), q
+        q = _affine_codes(g, d, m, top)
+        return ((q * d.float() + m.float() - g) ** 2).sum(-1, keepdim=True), q
 
     best_d, best_m = _minmax_affine(g, top)
     best, q = error(best_d, best_m)
@@ -317,8 +322,7 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int |
         # (by rows: the fit's temporaries are a few times the rows' float32 size; an expert stack is large)
         fits = [_fit_affine(part, 15) for part in g.split(4096)]
         d, m = torch.cat([f[0] for f in fits]), torch.cat([f[1] for f in fits])
-        inv = torch.where(d > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
-        q = ((g - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
+        q = _affine_codes(g, d, m, 15).to(torch.uint8)
         packed = q[..., :16] | (q[..., 16:] << 4)  # GGUF's order: element j low, j + 16 high
         blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), m.view(torch.uint8).reshape(n, k // 32, 2),
                             packed], dim=-1)
