@@ -339,17 +339,20 @@ def test_ngram_lookup_finds_the_latest_longest_match(tokens, k, lo, extra):
 
 def test_adaptive_draft_grows_shrinks_and_pauses():
     a = AdaptiveDraft(4)
-    assert a.want() == 4
-    a.update(4, 1)
-    assert a.want() == 2  # one more than the accepted run
-    a.update(2, 2)
-    assert a.want() == 3  # grows after a proposal accepted whole
+    assert a.want(0) == 4
+    a.update(4, 1, 2)
+    assert a.want(2) == 2  # one more than the accepted run
+    a.update(2, 2, 5)
+    assert a.want(5) == 3  # grows after a proposal accepted whole
+    done = 5
     for _ in range(6):
-        a.update(3, 0)
-        if a.paused:
+        done += 1
+        a.update(3, 0, done)
+        if a.want(done) == 0:
             break
-    assert a.paused and [a.want() for _ in range(AdaptiveDraft.PAUSE_STEPS)] == [0] * AdaptiveDraft.PAUSE_STEPS
-    assert a.want() == 1  # tried again, small
+    # paused for the request's next PAUSE_TOKENS tokens, however many steps they take (bursts of several)
+    assert [a.want(n) for n in range(done, done + AdaptiveDraft.PAUSE_TOKENS)] == [0] * AdaptiveDraft.PAUSE_TOKENS
+    assert a.want(done + AdaptiveDraft.PAUSE_TOKENS) == 1  # tried again, small
 
 
 def _tokens_per_second(rates, ks, others, a, b) -> float:
@@ -440,6 +443,86 @@ def test_proposals_stop_where_the_rows_cost_more_than_they_bring(tiny_models):
             assert len(counts) >= 2 and max(counts) > 3  # decode steps seen, with proposals in some
     assert drafted["free"] >= 80
     assert drafted["costly"] <= drafted["free"] / 4
+
+
+class AlwaysWrong:
+    """Proposes tokens the target never chooses (its reference's next token, shifted): every draft is
+    rejected at once. Records each proposal as (the request's output tokens then, tokens proposed)."""
+
+    def __init__(self, refs: dict[tuple, list[int]], vocab: int) -> None:
+        self.refs, self.vocab, self.proposals = refs, vocab, []
+
+    def propose(self, wanted):
+        out = []
+        for req, k in wanted:
+            ref = self.refs[tuple(req.prompt_token_ids)]
+            drafts = [(t + 1) % self.vocab for t in ref[req.num_output_tokens:req.num_output_tokens + k]]
+            self.proposals.append((req.num_output_tokens, len(drafts)))
+            out.append(drafts)
+        return out
+
+
+def test_a_pause_in_proposals_lasts_its_tokens_not_its_steps(tiny_models):
+    """A request whose drafts all fail stops getting proposals for AdaptiveDraft.PAUSE_TOKENS of its
+    tokens, then is tried again, also where the steps without proposals run as bursts of several tokens:
+    a burst stops where the pause ends, and the first proposal after the pause comes exactly there."""
+    folder = tiny_models["llama"]
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    base = LLM(folder, dtype="bfloat16", kv_cache_memory=1 << 22)  # bfloat16: the fused decoder's bursts
+    ref = _tokens(base.generate(PROMPTS[:1], sp))
+    refs = {tuple(i): r for i, r in zip(_ids(base, PROMPTS[:1]), ref)}
+    del base
+    llm = LLM(folder, dtype="bfloat16", kv_cache_memory=1 << 22, speculative_config=NGRAM, num_scheduler_steps=8)
+    proposer = llm.engine.proposer = AlwaysWrong(refs, llm.engine.vocab_size)
+    llm.engine.step_cost = FixedCost(None)  # proposals whatever a row costs
+    runner = llm.engine.runner
+    bursts, execute_burst = [], runner.execute_burst
+    runner.execute_burst = lambda *a, **k: (lambda r: bursts.append(r) or r)(execute_burst(*a, **k))
+    assert _tokens(llm.generate(PROMPTS[:1], sp)) == ref
+    assert any(r is not None and len(r) > 1 for r in bursts), "no burst ran: nothing tested"
+    gaps = [b[0] - a[0] for a, b in zip(proposer.proposals, proposer.proposals[1:])]
+    # Each rejected draft yields one token; after the pause, the next draft comes PAUSE_TOKENS tokens on.
+    assert AdaptiveDraft.PAUSE_TOKENS + 1 in gaps, gaps
+    assert max(gaps) == AdaptiveDraft.PAUSE_TOKENS + 1, gaps
+
+
+def test_a_burst_ends_where_prompt_lookup_finds_a_proposal_again(default_gguf):
+    """Where prompt lookup finds nothing for a request, the steps after run as a burst; that burst ends
+    after the first step whose token lets the lookup find a proposal, so proposing resumes at once. The
+    outputs are those of decoding without speculation."""
+    text = ("Blocks of sixteen tokens hold the keys and values; a full block is hashed with every token "
+            "before it. Blocks of sixteen tokens hold the keys and values; a full block is hashed with every "
+            "token before it, so that a later request with the same prefix finds it and skips that work.")
+    msgs = [{"role": "user", "content": f"Repeat this text word for word, twice:\n\n{text}"}]
+    sp = SamplingParams(temperature=0, max_tokens=160)
+    base = LLM(default_gguf)
+    ref = _tokens(base.chat(msgs, sp))
+    del base
+    llm = LLM(default_gguf, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              num_scheduler_steps=8, enable_prefix_caching=False)
+    llm.engine.step_cost = FixedCost(None)  # proposals whatever a row costs: only lookup misses leave a step without
+    engine, runner = llm.engine, llm.engine.runner
+    bursts, execute_burst = [], runner.execute_burst
+
+    def recorded(sched, steps, interrupted, on_step=None):
+        req = sched.scheduled[0].request
+        before = list(req.all_token_ids)
+        paused = req.spec_draft is not None and req.spec_draft.paused_until > req.num_output_tokens
+        results = execute_burst(sched, steps, interrupted, on_step)
+        if results is not None:
+            bursts.append((before, [r.sampled[req.request_id] for r in results], steps, paused))
+        return results
+    runner.execute_burst = recorded
+    assert _tokens(llm.chat(msgs, sp)) == ref
+    finds = engine.proposer.finds
+    ended_early = 0
+    for before, tokens, steps, paused in bursts:
+        if paused:
+            continue
+        for j in range(len(tokens) - 1):
+            assert not finds(before + tokens[:j + 1]), (before[-8:], tokens, j)
+        ended_early += len(tokens) < steps and finds(before + tokens)
+    assert ended_early >= 1, f"no burst ended on a lookup hit: nothing tested ({len(bursts)} bursts)"
 
 
 @pytest.mark.parametrize("config, message", [

@@ -127,6 +127,7 @@ class LLMEngine:
         self.spec_rows = cpu_kernels.max_team_rows(moe=mcfg.moe is not None) if self.device.type == "cpu" else 256
         self.proposer = make_proposer(spec, self) if spec is not None else None
         self.step_cost = StepCost()  # what a decode step costs by its rows: how many proposals pay
+        self._missed: list[Request] = []  # requests the last proposing found nothing for (_propose)
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe())
 
@@ -237,7 +238,7 @@ class LLMEngine:
             # other threads wait.
             taken = emit is not None and self.runner.whole_bursts and any(_read_as_it_goes(s.request)
                                                                           for s in sched.scheduled)
-            on_step = (lambda result: self._emit_step(sched, result, emit)) if taken else None
+            on_step = (lambda result: self._emit_step(sched, result, emit)) if taken else self._until_lookup_finds()
             results = self.runner.execute_burst(sched, steps, self._interrupted.is_set, on_step)
         if results is None:
             taken = False
@@ -270,12 +271,13 @@ class LLMEngine:
             self.spec_stats.record(proposed, accepted)
             req.num_draft_tokens += proposed
             req.num_accepted_tokens += accepted
-            req.spec_draft.update(proposed, accepted)
+            req.spec_draft.update(proposed, accepted, req.num_output_tokens)
         self.scheduler.release_rejected(sched)
 
     def _propose(self) -> None:
         """Proposals for every running request that decodes next (its last token is all it owes), for the
-        next step to verify. Requests under a grammar get none: the grammar already narrows their choice."""
+        next step to verify. Requests under a grammar get none: the grammar already narrows their choice.
+        Those that were to get some and got none (prompt lookup found nothing) are kept in _missed."""
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         room = self.spec_rows - len(decoding)
         for req in self.scheduler.running:
@@ -287,7 +289,7 @@ class LLMEngine:
             if req.spec_draft is None:
                 req.spec_draft = AdaptiveDraft(self.config.speculative_config.num_speculative_tokens)
             # Never past max_tokens or the context: the step keeps at most every proposal plus one.
-            k = min(req.spec_draft.want(), req.max_tokens - req.num_output_tokens - 1,
+            k = min(req.spec_draft.want(req.num_output_tokens), req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1, self._steps_before_recompute(req) - 1, room)
             caps.append((req, max(k, 0)))
         # As many as the step's measured cost by rows says pay, given each request's acceptance so far
@@ -299,11 +301,33 @@ class LLMEngine:
             if k > 0:
                 wanted.append((req, k))
             elif cap > 0:
-                req.spec_draft.passed_over()
+                req.spec_draft.passed_over(req.num_output_tokens)
         # Called with none wanted too: a proposer with state of its own forgets finished requests there.
+        self._missed = []
         for (req, _), drafts in zip(wanted, self.proposer.propose(wanted)):
             req.spec_token_ids = drafts[:max(room, 0)]  # oldest requests first while the step has room
             room -= len(req.spec_token_ids)
+            if not drafts:
+                self._missed.append(req)
+
+    def _until_lookup_finds(self) -> Callable[[ModelOutput], bool] | None:
+        """For a burst of plain steps (none of its requests got proposals): where prompt lookup found nothing
+        for a request that was to get some (_missed), a hook that ends the burst after the first step whose
+        tokens let it find some again, so that proposing resumes at the next step rather than up to
+        num_scheduler_steps - 1 steps later. None where no request is waiting for a lookup to succeed."""
+        finds = getattr(self.proposer, "finds", None)
+        if finds is None or not self._missed or not self.runner.whole_bursts:
+            return None
+        grown = {req.request_id: req.all_token_ids for req in self._missed}  # a copy: tokens are added after
+
+        def on_step(result: ModelOutput) -> bool:
+            found = False
+            for rid, tokens in grown.items():
+                if rid in result.sampled:
+                    tokens.append(result.sampled[rid])
+                    found = found or finds(tokens)
+            return found
+        return on_step
 
     def _take(self, sched: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
         """Apply one step's sampled tokens: stop rules, text, outputs. A request whose output cannot be
@@ -330,8 +354,8 @@ class LLMEngine:
         `streaming` consumers, none streams where bursts cannot hand over each step (a tensor-parallel
         shard's) or where proposals are made (a streamed request then proposes at every step, which
         measured faster through the server than bursts where prompt lookup had nothing to propose); never
-        past a request's max_tokens or the context length, and only as far as free KV blocks hold every
-        request's tokens."""
+        past a request's max_tokens, the context length or the end of a pause in its proposals, and only as
+        far as free KV blocks hold every request's tokens."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.supports_bursts or sched.is_empty or self.scheduler.num_waiting
                 or self._interrupted.is_set()):
@@ -344,6 +368,8 @@ class LLMEngine:
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,
                         self._steps_before_recompute(req))
+            if req.spec_draft is not None and req.spec_draft.paused_until > req.num_output_tokens:
+                steps = min(steps, req.spec_draft.paused_until - req.num_output_tokens)  # proposing resumes there
         if steps > 1 and all(self.kv_manager.allocate_slots(s.request, steps) for s in sched.scheduled):
             return steps
         return 1

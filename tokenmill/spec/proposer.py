@@ -28,14 +28,17 @@ def ngram_lookup(tokens: list[int] | np.ndarray, k: int, lookup_min: int, lookup
 class AdaptiveDraft:
     """How many tokens to propose for one request: grows while drafts are accepted whole, falls to one
     more than the accepted run when they are not. A request whose drafts keep failing (acceptance below
-    PAUSE_BELOW over the recent ones) gets none for PAUSE_STEPS steps, then is tried again with one, so
-    that speculation costs a badly predicted request little."""
+    PAUSE_BELOW over the recent ones) gets none for its next PAUSE_TOKENS tokens, then is tried again with
+    one, so that speculation costs a badly predicted request little. The pause counts the request's
+    tokens, not engine steps: steps without proposals may run as bursts of several tokens each.
+
+    `done` below is the request's output tokens so far (num_output_tokens)."""
 
     limit: int  # the configured num_speculative_tokens
     k: int = 0
     rate: float = 1.0  # running acceptance rate of this request's drafts
-    paused: int = 0  # steps left with no proposal
-    idle: int = 0  # steps in a row that plan_drafts gave this request none
+    paused_until: int = 0  # no proposal while done is below this
+    idle_from: int | None = None  # done when plan_drafts began to give this request none, in a row
     # Decayed counts of proposed tokens accepted after their predecessors were (hits) and of the first
     # rejected one of each draft (misses): their ratio is the chance that a proposal's next token is
     # accepted, given the ones before it were. Proposals tend to hold or fail whole (a quoted passage),
@@ -44,26 +47,24 @@ class AdaptiveDraft:
     misses: float = 0.0
 
     PAUSE_BELOW = 0.25
-    PAUSE_STEPS = 16
+    PAUSE_TOKENS = 16
     DECAY = 0.7
 
     def __post_init__(self) -> None:
         self.k = self.limit
 
-    def want(self) -> int:
+    def want(self, done: int) -> int:
         """Tokens to propose this step (0: none)."""
-        if self.paused:
-            self.paused -= 1
-            return 0
-        return self.k
+        return 0 if done < self.paused_until else self.k
 
-    def passed_over(self) -> None:
-        """The step's cost left this request without proposals (plan_drafts): after PAUSE_STEPS such steps
-        in a row, an acceptance (and running rate) below 0.5 is taken as 0.5 again, so that the request is
-        tried anew rather than judged for ever on its old drafts."""
-        self.idle += 1
-        if self.idle >= self.PAUSE_STEPS:
-            self.idle, self.rate = 0, max(self.rate, 0.5)
+    def passed_over(self, done: int) -> None:
+        """The step's cost left this request without proposals (plan_drafts): once that has lasted
+        PAUSE_TOKENS tokens, an acceptance (and running rate) below 0.5 is taken as 0.5 again, so that the
+        request is tried anew rather than judged for ever on its old drafts."""
+        if self.idle_from is None:
+            self.idle_from = done
+        elif done - self.idle_from >= self.PAUSE_TOKENS:
+            self.idle_from, self.rate = None, max(self.rate, 0.5)
             if self.acceptance < 0.5:
                 self.hits = self.misses = 1.0
 
@@ -72,8 +73,8 @@ class AdaptiveDraft:
         """The chance that a proposed token is accepted, given the ones before it were (hits, misses)."""
         return self.hits / (self.hits + self.misses)
 
-    def update(self, proposed: int, accepted: int) -> None:
-        self.idle = 0
+    def update(self, proposed: int, accepted: int, done: int) -> None:
+        self.idle_from = None
         self.rate = self.DECAY * self.rate + (1 - self.DECAY) * accepted / proposed
         self.hits = self.DECAY * self.hits + accepted
         self.misses = self.DECAY * self.misses + (accepted < proposed)
@@ -82,7 +83,7 @@ class AdaptiveDraft:
         else:
             self.k = max(1, accepted + 1)
         if self.rate < self.PAUSE_BELOW:
-            self.paused, self.k, self.rate = self.PAUSE_STEPS, 1, 0.5
+            self.paused_until, self.k, self.rate = done + self.PAUSE_TOKENS, 1, 0.5
 
 
 class StepCost:
@@ -162,6 +163,10 @@ class NgramProposer:
     def propose(self, wanted: list) -> list[list[int]]:
         """wanted: (request, k) pairs; returns up to k tokens for each."""
         return [ngram_lookup(req.all_token_ids, k, self.lookup_min, self.lookup_max) for req, k in wanted]
+
+    def finds(self, tokens: list[int]) -> bool:
+        """Whether a lookup after these tokens would propose something."""
+        return bool(ngram_lookup(tokens, 1, self.lookup_min, self.lookup_max))
 
 
 def make_proposer(cfg, engine):
