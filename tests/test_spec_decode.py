@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import random
+import time
 
 import httpx
 import pytest
@@ -29,11 +30,14 @@ class Oracle:
     """Proposes each request's reference continuation; with probability `spoil` one proposed token is
     replaced by another."""
 
-    def __init__(self, refs: dict[tuple, list[int]], vocab: int, spoil: float = 0.3, seed: int = 0) -> None:
-        self.refs, self.vocab, self.spoil = refs, vocab, spoil
+    def __init__(self, refs: dict[tuple, list[int]], vocab: int, spoil: float = 0.3, seed: int = 0,
+                 delay: float = 0.0) -> None:
+        self.refs, self.vocab, self.spoil, self.delay = refs, vocab, spoil, delay
         self.rng = random.Random(seed)
 
     def propose(self, wanted):
+        if wanted and self.delay:  # a costly proposer (a large draft model, say)
+            time.sleep(self.delay)
         out = []
         for req, k in wanted:
             ref = self.refs[tuple(req.prompt_token_ids)]
@@ -53,8 +57,15 @@ def _tokens(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _always_proposing(llm: LLM) -> LLM:
+    """Proposals at every step, whatever steps with and without them have been giving (StepCost's gate):
+    for tests of what proposals do, on tiny models whose steps are too cheap for proposals to pay."""
+    llm.engine.step_cost.proposing_pays = lambda batch, decode_only=True: True
+    return llm
+
+
 def _with_oracle(folder: str, refs: dict, spoil: float = 0.3, **kw) -> LLM:
-    llm = LLM(folder, dtype="float32", speculative_config=NGRAM, **kw)
+    llm = _always_proposing(LLM(folder, dtype="float32", speculative_config=NGRAM, **kw))
     llm.engine.proposer = Oracle(refs, llm.engine.vocab_size, spoil)
     llm.engine.spec_rows = 64  # verify many requests at once: steps past the fused decoder's team path too
     return llm
@@ -420,6 +431,12 @@ class FixedCost:
     def line(self, base):
         return self.fixed
 
+    def record_yield(self, *args) -> None:
+        pass
+
+    def proposing_pays(self, batch, decode_only=True):
+        return True
+
 
 def test_proposals_stop_where_the_rows_cost_more_than_they_bring(tiny_models):
     """Drafts accepted half the time: with each verified row as costly as ten steps' fixed part, proposing
@@ -443,6 +460,27 @@ def test_proposals_stop_where_the_rows_cost_more_than_they_bring(tiny_models):
             assert len(counts) >= 2 and max(counts) > 3  # decode steps seen, with proposals in some
     assert drafted["free"] >= 80
     assert drafted["costly"] <= drafted["free"] / 4
+
+
+def test_proposing_stops_where_steps_with_proposals_make_fewer_tokens_a_second(tiny_models):
+    """Proposals that are always right but cost 50 ms each time (a draft far slower than the target):
+    once steps with them have been timed against steps without, they stop, where every verify row would
+    still pay by the row-cost line. Free proposals of the same tokens go on. Outputs are exact either way."""
+    folder = tiny_models["llama"]
+    prompts = PROMPTS[:4]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    base = LLM(folder, dtype="float32", num_scheduler_steps=1)
+    ref = _tokens(base.generate(prompts, sp))
+    refs = {tuple(i): r for i, r in zip(_ids(base, prompts), ref)}
+    drafted = {}
+    for name, delay in (("free", 0.0), ("slow", 0.05)):
+        llm = LLM(folder, dtype="float32", speculative_config=NGRAM, num_scheduler_steps=1)
+        llm.engine.proposer = Oracle(refs, llm.engine.vocab_size, spoil=0.0, delay=delay)
+        assert _tokens(llm.generate(prompts, sp)) == ref
+        drafted[name] = llm.engine.stats()["spec_decode_num_draft_tokens"]
+    assert drafted["free"] >= 100, drafted
+    # The MIN_SAMPLES steps that timed proposals (4 requests, k = 4), and none after.
+    assert drafted["slow"] <= StepCost.MIN_SAMPLES * 4 * 4, drafted
 
 
 class AlwaysWrong:
@@ -604,8 +642,8 @@ def _drafting_for_itself(target: str, prompts: list[str], sp: SamplingParams):
     without it, and the list the draft's bursts append their step counts to."""
     kw = dict(dtype="bfloat16", block_size=4)
     ref = _tokens(LLM(target, **kw).generate(prompts, sp))
-    llm = LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": target},
-              **kw)
+    llm = _always_proposing(LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 4,
+                                                            "model": target}, **kw))
     runner = llm.engine.proposer.runner
     bursts, execute_burst = [], runner.execute_burst
     runner.execute_burst = lambda sched, steps, stop: bursts.append(steps) or execute_burst(sched, steps, stop)
@@ -648,7 +686,8 @@ def test_a_draft_model_s_steps_on_one_thread_are_counted(tiny_models):
     reports, beside the target's own."""
     prompts, sp = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     target = tiny_models["llama"]
-    llm = LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": target})
+    llm = _always_proposing(LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                                            "model": target}))
     held = cpu_kernels.ThreadGovernor(2)
     held.solo_until = float("inf")
     llm.engine.proposer.runner.governor = held

@@ -128,6 +128,7 @@ class LLMEngine:
         self.proposer = make_proposer(spec, self) if spec is not None else None
         self.step_cost = StepCost()  # what a decode step costs by its rows: how many proposals pay
         self._missed: list[Request] = []  # requests the last proposing found nothing for (_propose)
+        self._proposing_s = 0.0  # how long the last proposing took (for the step that verifies it)
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe())
 
@@ -252,9 +253,17 @@ class LLMEngine:
         self.last_step = sched
         if self.proposer is not None:
             self._count_verified(sched, results[-1])
+            decode_only = sched.scheduled and all(
+                s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled)
+            if decode_only:  # its tokens, over its time and that of the proposing that gave its proposals
+                made = sum(1 + len(r.spec_sampled.get(s.request.request_id, ())) for r in results
+                           for s in sched.scheduled if s.request.request_id in r.sampled)
+                self.step_cost.record_yield(len(sched.scheduled), any(s.spec_token_ids for s in sched.scheduled),
+                                            made, time.perf_counter() - start + self._proposing_s)
+            proposing = time.perf_counter()
             self._propose()
-            if sched.scheduled and all(
-                    s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled):
+            self._proposing_s = time.perf_counter() - proposing
+            if decode_only:
                 self.step_cost.record(sum(s.num_new_tokens for s in sched.scheduled),
                                       (time.perf_counter() - start) / len(results))
         return list(latest.values())
@@ -292,21 +301,29 @@ class LLMEngine:
             k = min(req.spec_draft.want(req.num_output_tokens), req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1, self._steps_before_recompute(req) - 1, room)
             caps.append((req, max(k, 0)))
-        # As many as the step's measured cost by rows says pay, given each request's acceptance so far
-        # (every decoding request counts: its own token is a row either way).
-        ks = plan_drafts([r.spec_draft.acceptance for r, _ in caps], [k for _, k in caps],
-                         self.step_cost.line(len(decoding)), others=len(decoding) - len(caps))
+        # Only where steps with proposals have given more tokens a second than steps without, at this many
+        # decoding requests (StepCost.proposing_pays); then as many as the step's measured cost by rows says
+        # pay, given each request's acceptance so far (every decoding request counts: its own token is a
+        # row either way).
+        decode_only = len(decoding) == len(self.scheduler.running) and not self.scheduler.num_waiting
+        plain = bool(caps) and not self.step_cost.proposing_pays(len(decoding), decode_only)
+        if plain:
+            ks = [0] * len(caps)
+        else:
+            ks = plan_drafts([r.spec_draft.acceptance for r, _ in caps], [k for _, k in caps],
+                             self.step_cost.line(len(decoding)), others=len(decoding) - len(caps))
         wanted = []
         for (req, cap), k in zip(caps, ks):
+            k = min(k, room)  # the step's room, oldest requests first: no proposal made only to be dropped
+            room -= k
             if k > 0:
                 wanted.append((req, k))
-            elif cap > 0:
+            elif cap > 0 and not plain:
                 req.spec_draft.passed_over(req.num_output_tokens)
         # Called with none wanted too: a proposer with state of its own forgets finished requests there.
         self._missed = []
-        for (req, _), drafts in zip(wanted, self.proposer.propose(wanted)):
-            req.spec_token_ids = drafts[:max(room, 0)]  # oldest requests first while the step has room
-            room -= len(req.spec_token_ids)
+        for (req, k), drafts in zip(wanted, self.proposer.propose(wanted)):
+            req.spec_token_ids = drafts[:k]
             if not drafts:
                 self._missed.append(req)
 

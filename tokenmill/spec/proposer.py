@@ -86,25 +86,75 @@ class AdaptiveDraft:
             self.paused_until, self.k, self.rate = done + self.PAUSE_TOKENS, 1, 0.5
 
 
+def _average(values: dict, counts: dict, key, value: float, decay: float) -> None:
+    """values[key]: the mean of its first samples, then a moving average (a new sample's weight 1 - decay)."""
+    n = counts.get(key, 0) + 1
+    new = max(1 / n, 1 - decay)
+    values[key] = (1 - new) * values.get(key, 0.0) + new * value
+    counts[key] = n
+
+
 class StepCost:
     """What a decode step costs by its query rows: the line t = a + b rows through the recent wall times of
     steps that only decode (each request its last token and its proposals), the proposing included, and a
     burst's steps at their share of its time. A time is kept per row count (the mean of its first steps,
     then a moving average); the line is fitted through them, weighted by how often each was seen. None
-    until MIN_SAMPLES steps have been seen at the row count without proposals and at another one."""
+    until MIN_SAMPLES steps have been seen at the row count without proposals and at another one.
+
+    And whether proposing pays at all, by the number of decoding requests (proposing_pays): the tokens a
+    second that steps with proposals and steps without them actually gave, each step's proposing
+    included. The row line prices a proposal's verify row; it cannot see a draft model's passes, which
+    cost the same however few of their tokens are kept, nor a step's fixed costs that proposals add."""
 
     DECAY = 0.9  # the weight of a row count's earlier times against a new one, once it has 10
     MIN_SAMPLES = 3  # steps of a row count before its time counts
+    RETRY = 64  # steps of the better way at a batch size before the other is timed again
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
         self.counts: dict[int, int] = {}
+        self.rates: dict[tuple[int, bool], float] = {}  # (decoding requests, with proposals) -> tokens a second
+        self.rate_counts: dict[tuple[int, bool], int] = {}
+        self.since: dict[int, int] = {}  # steps of the better way since the other was last timed
 
     def record(self, rows: int, seconds: float) -> None:
-        n = self.counts.get(rows, 0) + 1
-        new = max(1 / n, 1 - self.DECAY)
-        self.times[rows] = (1 - new) * self.times.get(rows, 0.0) + new * seconds
-        self.counts[rows] = n
+        _average(self.times, self.counts, rows, seconds, self.DECAY)
+
+    def record_yield(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` requests, with proposals or without, made `tokens` in `seconds`."""
+        _average(self.rates, self.rate_counts, (batch, proposed), tokens / seconds, self.DECAY)
+        if self.rate_counts.get((batch, not proposed), 0) >= self.MIN_SAMPLES:
+            self.since[batch] = self.since.get(batch, 0) + 1
+
+    def _verdict(self, batch: int) -> bool | None:
+        """Whether proposals gave more tokens a second at this batch size; None until both ways are timed."""
+        if min(self.rate_counts.get((batch, p), 0) for p in (False, True)) < self.MIN_SAMPLES:
+            return None
+        return self.rates[(batch, True)] >= self.rates[(batch, False)]
+
+    def proposing_pays(self, batch: int, decode_only: bool = True) -> bool:
+        """Whether the next step of `batch` decoding requests gets proposals (decode_only: whether it will
+        hold nothing else, the only steps timed here). Where steps of this many requests have not been
+        timed both ways, MIN_SAMPLES decode-only steps are timed without proposals, then MIN_SAMPLES with;
+        then the way that gave more tokens a second goes on, and every RETRY steps the other is timed again
+        (acceptance, contexts and the memory's speed move). A batch size not yet judged takes the verdict of
+        a judged one where it follows from it: proposals that lost at fewer requests lose at more (each
+        request's rows cost more in a fuller step), and proposals that paid at more requests pay at fewer.
+        Otherwise, and in steps that also run prompts, proposals are made."""
+        better = self._verdict(batch)
+        if better is None:
+            judged = {b: v for b in {b for b, _ in self.rates} if (v := self._verdict(b)) is not None}
+            if any(b <= batch and not v for b, v in judged.items()):
+                return False
+            if any(b >= batch and v for b, v in judged.items()):
+                return True
+            # plain steps timed first, then steps with proposals
+            return not decode_only or self.rate_counts.get((batch, False), 0) >= self.MIN_SAMPLES
+        if self.since.get(batch, 0) >= self.RETRY:
+            self.since[batch] = 0
+            self.rate_counts[(batch, not better)] = 0  # timed afresh (its first samples' mean)
+            return not better
+        return better
 
     def line(self, base: int) -> tuple[float, float] | None:
         """(a, b), both >= 0, or None while too few steps have been seen at `base` rows (the step's decoding
