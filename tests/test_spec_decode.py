@@ -483,6 +483,30 @@ def test_proposing_stops_where_steps_with_proposals_make_fewer_tokens_a_second(t
     assert drafted["slow"] <= StepCost.MIN_SAMPLES * 4 * 4, drafted
 
 
+def test_self_drafting_reads_the_target_s_own_cache(tiny_models):
+    """The target's weights quantized as its draft read the target's keys and values and write their
+    proposals' into the target's next slots: the draft computes no prompt and keeps no cache, its
+    proposals are nearly all accepted, the outputs are those of decoding without it, and every block
+    returns to the pool."""
+    target = tiny_models["llama"]
+    kw = dict(dtype="bfloat16", block_size=4)  # bfloat16: the fused decoder's bursts
+    prompts, sp = PROMPTS[:3], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = _tokens(LLM(target, **kw).generate(prompts, sp))
+    llm = _always_proposing(LLM(target, speculative_config={"method": "self", "quantization": "int8",
+                                                            "num_speculative_tokens": 4}, **kw))
+    proposer = llm.engine.proposer
+    assert proposer.model.quantized
+    modular, forward = [], proposer.model.forward
+    proposer.model.forward = lambda ids, *a: modular.append(len(ids)) or forward(ids, *a)
+    assert _tokens(llm.generate(prompts, sp)) == ref
+    assert modular == []  # no prompt, no catch-up: only the fused decoder's bursts
+    assert proposer.runner.kv_caches is llm.engine.runner.kv_caches
+    s = llm.engine.stats()
+    assert s["spec_decode_num_draft_tokens"] >= 40
+    assert s["spec_decode_num_accepted_tokens"] > 0.6 * s["spec_decode_num_draft_tokens"]  # a random model's
+    assert llm.engine.kv_manager.pool.num_free == llm.engine.num_blocks  # close calls flip under int8
+
+
 class AlwaysWrong:
     """Proposes tokens the target never chooses (its reference's next token, shifted): every draft is
     rejected at once. Records each proposal as (the request's output tokens then, tokens proposed)."""

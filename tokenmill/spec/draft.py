@@ -43,17 +43,33 @@ class DraftModelProposer:
         check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
         self.vocab_size = min(engine.vocab_size, self.model.config.vocab_size)
         bs = engine.config.block_size
-        # As many tokens as the target's cache holds, so the draft never runs out before the target does.
-        num_blocks = engine.num_blocks
-        self.kv = KVCacheManager(num_blocks, bs, enable_caching=False)  # shadows hold unverified tokens
+        self.greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        self.shadows: dict[str, Request] = {}
+        # Drafting for itself, the target's own keys and values serve the draft (see _propose_in_place).
+        runner = engine.runner
+        self.in_place = cfg.method == "self" and engine.config.kv_cache_dtype == "auto" and runner.supports_bursts
+        num_blocks = 1 if self.in_place else engine.num_blocks  # else as many tokens as the target's cache holds
         self.runner = ModelRunner(self.model, num_blocks, bs, engine.device, engine.dtype, engine.config.seed,
                                   max_model_len=engine.max_model_len, kv_cache_dtype=engine.config.kv_cache_dtype)
-        self.shadows: dict[str, Request] = {}
-        self.greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        if self.in_place and [tuple(t.shape[1:]) for kv in self.runner.kv_caches for t in kv] \
+                == [tuple(t.shape[1:]) for kv in runner.kv_caches for t in kv]:
+            self.runner.kv_caches, self.runner.scratch_slot = runner.kv_caches, runner.scratch_slot
+            self.runner.max_blocks = runner.max_blocks
+            logger.info("speculative draft: %s, on the target's own KV cache", type(self.model).__name__)
+            return
+        if self.in_place:  # a shape the target's cache does not share (a tensor-parallel shard's, say)
+            self.in_place = False
+            self.runner = ModelRunner(self.model, engine.num_blocks, bs, engine.device, engine.dtype,
+                                      engine.config.seed, max_model_len=engine.max_model_len,
+                                      kv_cache_dtype=engine.config.kv_cache_dtype)
+        num_blocks = engine.num_blocks
+        self.kv = KVCacheManager(num_blocks, bs, enable_caching=False)  # shadows hold unverified tokens
         logger.info("speculative draft: %s (%.1f MiB of KV cache)", type(self.model).__name__,
                     num_blocks * kv_bytes_per_block(self.model, bs, engine.dtype, engine.config.kv_cache_dtype) / 2**20)
 
     def propose(self, wanted: list) -> list[list[int]]:
+        if self.in_place:
+            return self._propose_in_place(wanted)
         self._forget_finished()
         shadows, ks = [], []
         for req, k in wanted:
@@ -71,6 +87,48 @@ class DraftModelProposer:
         for req, _ in wanted:
             shadow = self.shadows.get(req.request_id)
             result.append(drafts.get(shadow.request_id, []) if shadow is not None else [])
+        return result
+
+    def _propose_in_place(self, wanted: list) -> list[list[int]]:
+        """The target's own weights, quantized, drafting for it: the two compute the same keys and values
+        up to rounding, so the draft reads the target's cache as it is (its prompt and every accepted token,
+        computed by the target) and writes its proposals' keys and values into the target's next slots,
+        which the verify step then overwrites with the target's own. So the draft never computes a prompt
+        or catches up: a proposal of k tokens is k passes of the draft's fused decoder, one burst for all
+        requests, and the draft holds no cache of its own. Each request's blocks are extended first to hold
+        the burst's slots (the verify step needs them anyway; those past what it keeps go back after it)."""
+        if not wanted:
+            return []
+        steps = max(k for _, k in wanted)
+        kv = self.engine.kv_manager
+        shadows = {}
+        for req, _ in wanted:
+            if kv.allocate_slots(req, steps):
+                # The request as the draft sees it: its tokens and blocks, chosen greedily.
+                shadows[req.request_id] = Request(req.request_id, req.prompt_token_ids, self.greedy, req.max_tokens,
+                                                  output_token_ids=list(req.output_token_ids),
+                                                  num_computed_tokens=req.num_computed_tokens, block_ids=req.block_ids)
+        outs = None
+        if shadows:
+            sched = SchedulerOutput(scheduled=[ScheduledRequest(s, 1, True) for s in shadows.values()])
+            outs = self.runner.execute_burst(sched, steps, lambda: False)
+            if outs is None:  # no fused decoder for this batch: the same steps one engine step at a time
+                outs = []
+                for _ in range(steps):
+                    out = self.runner.execute(sched)
+                    for s in shadows.values():
+                        s.num_computed_tokens += 1
+                        s.output_token_ids.append(out.sampled[s.request_id])
+                    outs.append(out)
+        result = []
+        for req, k in wanted:
+            drafts = []
+            for out in (outs or [])[:k] if req.request_id in shadows else ():
+                token = out.sampled[req.request_id]
+                if token >= self.vocab_size:  # a token the target's vocabulary lacks ends the proposal
+                    break
+                drafts.append(token)
+            result.append(drafts)
         return result
 
     def _step(self, active: list, drafts: dict[str, list[int]]) -> list:
