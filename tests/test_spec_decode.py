@@ -20,6 +20,7 @@ from scipy.stats import chi2_contingency
 
 from conftest import ARCHS, PROMPTS, block_bytes
 from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.spec.proposer import AdaptiveDraft, StepCost, ngram_lookup, plan_drafts
 
@@ -431,11 +432,14 @@ class FixedCost:
     def line(self, base):
         return self.fixed
 
-    def record_yield(self, *args) -> None:
+    def record_yield(self, *args, **kw) -> None:
         pass
 
     def proposing_pays(self, batch, decode_only=True):
         return True
+
+    def plain_is_better(self, batch):
+        return False
 
 
 def test_proposals_stop_where_the_rows_cost_more_than_they_bring(tiny_models):
@@ -481,6 +485,39 @@ def test_proposing_stops_where_steps_with_proposals_make_fewer_tokens_a_second(t
     assert drafted["free"] >= 100, drafted
     # The MIN_SAMPLES steps that timed proposals (4 requests, k = 4), and none after.
     assert drafted["slow"] <= StepCost.MIN_SAMPLES * 4 * 4, drafted
+
+
+def test_streamed_requests_decode_in_bursts_where_proposals_do_not_pay(tiny_models):
+    """Streamed requests with speculation on take single steps, so that each can propose at every step;
+    where proposals have been found not to pay (a proposer far slower than the target), they decode in
+    bursts again, as without speculation, each step's tokens still reaching the stream one by one."""
+    folder = tiny_models["llama"]
+    prompts = PROMPTS[:2]
+    kw = dict(dtype="bfloat16", block_size=4)  # bfloat16: the fused decoder's bursts
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.CUMULATIVE)
+    base = LLM(folder, **kw)
+    ref = _tokens(base.generate(prompts, sp))
+    refs = {tuple(i): r for i, r in zip(_ids(base, prompts), ref)}
+    llm = LLM(folder, speculative_config=NGRAM, **kw)
+    engine = llm.engine
+    engine.proposer = Oracle(refs, engine.vocab_size, spoil=0.0, delay=0.05)
+    runner = engine.runner
+    bursts, execute_burst = [], runner.execute_burst
+    runner.execute_burst = lambda *a, **k: (lambda r: bursts.append(r) or r)(execute_burst(*a, **k))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    seen: dict[str, list[int]] = {}
+    emitted = []
+    while engine.has_unfinished_requests():
+        engine.step(emit=lambda outs: emitted.extend(outs))
+    for out in emitted:
+        seen[out.request_id] = list(out.outputs[0].token_ids)
+    assert [seen[str(i)] for i in range(len(prompts))] == ref
+    assert engine.stats()["spec_decode_num_draft_tokens"] <= (StepCost.MIN_SAMPLES + 1) * len(prompts) * 4
+    ran = [len(r) for r in bursts if r is not None]
+    assert len(ran) >= 2 and max(ran) > 1, ran
+    # One output per request per step, bursts included (streamed token by token).
+    assert len(emitted) >= len(prompts) * (64 - 4 * (StepCost.MIN_SAMPLES + 1))
 
 
 def test_self_drafting_reads_the_target_s_own_cache(tiny_models):

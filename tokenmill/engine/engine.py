@@ -129,6 +129,8 @@ class LLMEngine:
         self.step_cost = StepCost()  # what a decode step costs by its rows: how many proposals pay
         self._missed: list[Request] = []  # requests the last proposing found nothing for (_propose)
         self._proposing_s = 0.0  # how long the last proposing took (for the step that verifies it)
+        # The last proposing made none because steps without them make more tokens a second (not to time them)
+        self._withheld = False
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe())
 
@@ -259,7 +261,7 @@ class LLMEngine:
                 made = sum(1 + len(r.spec_sampled.get(s.request.request_id, ())) for r in results
                            for s in sched.scheduled if s.request.request_id in r.sampled)
                 self.step_cost.record_yield(len(sched.scheduled), any(s.spec_token_ids for s in sched.scheduled),
-                                            made, time.perf_counter() - start + self._proposing_s)
+                                            made, time.perf_counter() - start + self._proposing_s, len(results))
             proposing = time.perf_counter()
             self._propose()
             self._proposing_s = time.perf_counter() - proposing
@@ -307,6 +309,7 @@ class LLMEngine:
         # row either way).
         decode_only = len(decoding) == len(self.scheduler.running) and not self.scheduler.num_waiting
         plain = bool(caps) and not self.step_cost.proposing_pays(len(decoding), decode_only)
+        self._withheld = plain and self.step_cost.plain_is_better(len(decoding))
         if plain:
             ks = [0] * len(caps)
         else:
@@ -370,7 +373,8 @@ class LLMEngine:
         past its prompt with tokens a burst chooses (runner.bursts_choose), nothing waits and, with
         `streaming` consumers, none streams where bursts cannot hand over each step (a tensor-parallel
         shard's) or where proposals are made (a streamed request then proposes at every step, which
-        measured faster through the server than bursts where prompt lookup had nothing to propose); never
+        measured faster through the server than bursts where prompt lookup had nothing to propose), unless
+        they were withheld because steps without them make more tokens a second (_propose); never
         past a request's max_tokens, the context length or the end of a pause in its proposals, and only as
         far as free KV blocks hold every request's tokens."""
         steps = self.config.num_scheduler_steps
@@ -380,7 +384,7 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             if s.num_new_tokens != 1 or not s.samples or not self.runner.bursts_choose(req) or in_prompt(s) or (
-                    streaming and (not self.runner.whole_bursts or self.proposer is not None)
+                    streaming and (not self.runner.whole_bursts or self.proposer is not None and not self._withheld)
                     and _read_as_it_goes(req)):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,

@@ -120,17 +120,28 @@ class StepCost:
     def record(self, rows: int, seconds: float) -> None:
         _average(self.times, self.counts, rows, seconds, self.DECAY)
 
-    def record_yield(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
-        """A decode step of `batch` requests, with proposals or without, made `tokens` in `seconds`."""
-        _average(self.rates, self.rate_counts, (batch, proposed), tokens / seconds, self.DECAY)
+    def record_yield(self, batch: int, proposed: bool, tokens: int, seconds: float, steps: int = 1) -> None:
+        """A decode step of `batch` requests, with proposals or without, made `tokens` in `seconds`; a burst
+        of `steps` plain steps counts as that many."""
+        key = (batch, proposed)
+        _average(self.rates, self.rate_counts, key, tokens / seconds, self.DECAY)
+        self.rate_counts[key] += steps - 1
         if self.rate_counts.get((batch, not proposed), 0) >= self.MIN_SAMPLES:
-            self.since[batch] = self.since.get(batch, 0) + 1
+            self.since[batch] = self.since.get(batch, 0) + steps
 
     def _verdict(self, batch: int) -> bool | None:
         """Whether proposals gave more tokens a second at this batch size; None until both ways are timed."""
         if min(self.rate_counts.get((batch, p), 0) for p in (False, True)) < self.MIN_SAMPLES:
             return None
         return self.rates[(batch, True)] >= self.rates[(batch, False)]
+
+    def plain_is_better(self, batch: int) -> bool:
+        """Whether steps without proposals have been found to make more tokens a second at this batch size
+        (or at fewer requests), as opposed to being timed."""
+        better = self._verdict(batch)
+        if better is not None:
+            return not better
+        return any(b <= batch and self._verdict(b) is False for b in {b for b, _ in self.rates})
 
     def proposing_pays(self, batch: int, decode_only: bool = True) -> bool:
         """Whether the next step of `batch` decoding requests gets proposals (decode_only: whether it will
