@@ -14,6 +14,8 @@ in turn and in reverse order in the next round (memory bandwidth here changes fo
   tokenmill-float-ngram  (with --float) the same with prompt lookup
   tokenmill-draft      (with --draft MODEL) the float target with MODEL as its draft_model: with MODEL the
                        same file, its own quantized blocks propose for its dequantized weights
+  tokenmill-self       (with --self) the float target drafting for itself: {"method": "self",
+                       "quantization": "int4"}, its own weights quantized at load
   llama.cpp            llama-server (with --llama-server PATH), no speculation
   llama.cpp-ngram      llama-server --spec-type ngram-simple
 
@@ -22,7 +24,7 @@ rounds: output tokens of all requests over the wall time of all of them (prefill
 request's decode rate (its tokens after the first over its time after the first: prefill left out).
 
     python benchmarks/spec_decode.py [MODEL] [--workload grounded] [--batch 1 8] [--rounds 2] \
-        [--llama-server ~/.cache/tokenmill/llama.cpp/bin/llama-server] [--draft MODEL]
+        [--llama-server ~/.cache/tokenmill/llama.cpp/bin/llama-server] [--draft MODEL] [--self]
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ def commands(args, port: int) -> dict[str, list[str]]:
         draft = json.dumps({"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k})
         out.setdefault("tokenmill-float", tm + ["--quantization", "none"])
         out["tokenmill-draft"] = tm + ["--quantization", "none", "--speculative-config", draft]
+    if args.self_draft:
+        self_spec = json.dumps({"method": "self", "quantization": "int4", "num_speculative_tokens": args.k})
+        out.setdefault("tokenmill-float", tm + ["--quantization", "none"])
+        out["tokenmill-self"] = tm + ["--quantization", "none", "--speculative-config", self_spec]
     if args.llama_server:
         ls = [args.llama_server, "-m", args.model, "--port", str(port), "-t", str(os.cpu_count()), "-np",
               str(max(args.batch)), "-c", str(4096 * max(args.batch)), "--temp", "0"]
@@ -177,6 +183,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--llama-server", default=None)
     p.add_argument("--draft", default=None, help="a draft model for tokenmill-draft")
+    p.add_argument("--self", dest="self_draft", action="store_true",
+                   help="also tokenmill-self: the float target with its own int4 weights as the draft")
     p.add_argument("--float", action="store_true",
                    help="also tokenmill-float(-ngram): the file's weights dequantized to float32 (decode bound by "
                         "memory bandwidth, where verifying more rows costs little)")
