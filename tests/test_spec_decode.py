@@ -544,6 +544,27 @@ def test_self_drafting_reads_the_target_s_own_cache(tiny_models):
     assert llm.engine.kv_manager.pool.num_free == llm.engine.num_blocks  # close calls flip under int8
 
 
+def test_self_drafting_leaves_the_prefix_cache_as_decoding_without_it(tiny_models):
+    """A request whose prompt is an earlier request's prompt and output finds in the prefix cache as many
+    tokens after that earlier request was self-drafted as after it decoded without speculation: the
+    draft's writes into the target's next slots register no block of their own."""
+    target = tiny_models["llama"]
+    kw = dict(dtype="bfloat16", block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    hits = {}
+    for name, spec in (("plain", None), ("self", {"method": "self", "quantization": "int8",
+                                                  "num_speculative_tokens": 3})):
+        llm = LLM(target, speculative_config=spec, **kw)
+        if spec:
+            _always_proposing(llm)
+        first = llm.generate(PROMPTS[:1], sp)[0]
+        again = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+        before = llm.engine.stats()["prefix_cache_hits"]
+        llm.generate([{"prompt_token_ids": again}], SamplingParams(temperature=0, max_tokens=1))
+        hits[name] = llm.engine.stats()["prefix_cache_hits"] - before
+    assert hits["self"] == hits["plain"] > 30, hits
+
+
 class AlwaysWrong:
     """Proposes tokens the target never chooses (its reference's next token, shifted): every draft is
     rejected at once. Records each proposal as (the request's output tokens then, tokens proposed)."""

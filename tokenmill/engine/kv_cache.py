@@ -159,8 +159,11 @@ class KVCacheManager:
         self.num_hit_tokens += len(hits) * self.block_size
         return hits
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
-        """Give the request blocks for num_new_tokens more tokens; False (and no change) if too few are free."""
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None,
+                       register: bool = True) -> bool:
+        """Give the request blocks for num_new_tokens more tokens; False (and no change) if too few are free.
+        register=False: blocks alone, none registered in the prefix cache (for slots written outside a step,
+        whose registration the step's own allocation makes)."""
         computed = computed or []
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
         need_total = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -178,7 +181,8 @@ class KVCacheManager:
         # Blocks this step fills are findable at once, so that requests in the same step (n > 1, equal
         # prompts) share them: the forward pass writes every token's KV before attention reads any. Until
         # the step is confirmed they are only pending.
-        self._cache_full_blocks(req, num_computed + num_new_tokens)
+        if register:
+            self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:

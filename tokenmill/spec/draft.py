@@ -103,7 +103,7 @@ class DraftModelProposer:
         kv = self.engine.kv_manager
         shadows = {}
         for req, _ in wanted:
-            if kv.allocate_slots(req, steps):
+            if kv.allocate_slots(req, steps, register=False):  # the verify step registers its blocks
                 # The request as the draft sees it: its tokens and blocks, chosen greedily.
                 shadows[req.request_id] = Request(req.request_id, req.prompt_token_ids, self.greedy, req.max_tokens,
                                                   output_token_ids=list(req.output_token_ids),
