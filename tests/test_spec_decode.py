@@ -159,16 +159,20 @@ def test_greedy_outputs_equal_decoding_without_speculation(tiny_models, arch, mo
     assert llm.engine.kv_manager.pool.num_free == llm.engine.num_blocks
 
 
+def _default_model_repeats(gguf: str, instruction: str, text: str, max_tokens: int):
+    """A chat asking the default model to repeat a text, its greedy parameters, and its answer's tokens
+    without speculation."""
+    msgs = [{"role": "user", "content": f"{instruction}:\n\n{text}"}]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return msgs, sp, _tokens(LLM(gguf).chat(msgs, sp))
+
+
 def test_prompt_lookup_on_the_default_model_is_exact_and_accepted(default_gguf):
     """The real n-gram proposer, on a prompt the default model quotes from: greedy outputs equal those of
     decoding without speculation, and most proposals are accepted."""
     text = ("The engine keeps keys and values in blocks of sixteen tokens. A block that fills is hashed with "
             "every token before it, so a later request with the same prefix finds it and skips that work.")
-    msgs = [{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}]
-    sp = SamplingParams(temperature=0, max_tokens=48)
-    base = LLM(default_gguf)
-    ref = _tokens(base.chat(msgs, sp))
-    del base
+    msgs, sp, ref = _default_model_repeats(default_gguf, "Repeat this text word for word", text, 48)
     llm = LLM(default_gguf, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
     out = llm.chat(msgs, sp)[0]
     assert list(out.outputs[0].token_ids) == ref[0]
@@ -613,11 +617,7 @@ def test_a_burst_ends_where_prompt_lookup_finds_a_proposal_again(default_gguf):
     text = ("Blocks of sixteen tokens hold the keys and values; a full block is hashed with every token "
             "before it. Blocks of sixteen tokens hold the keys and values; a full block is hashed with every "
             "token before it, so that a later request with the same prefix finds it and skips that work.")
-    msgs = [{"role": "user", "content": f"Repeat this text word for word, twice:\n\n{text}"}]
-    sp = SamplingParams(temperature=0, max_tokens=160)
-    base = LLM(default_gguf)
-    ref = _tokens(base.chat(msgs, sp))
-    del base
+    msgs, sp, ref = _default_model_repeats(default_gguf, "Repeat this text word for word, twice", text, 160)
     llm = LLM(default_gguf, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               num_scheduler_steps=8, enable_prefix_caching=False)
     llm.engine.step_cost = FixedCost(None)  # proposals whatever a row costs: only lookup misses leave a step without
