@@ -307,8 +307,8 @@ class LLMEngine:
         # decoding requests (StepCost.proposing_pays); then as many as the step's measured cost by rows says
         # pay, given each request's acceptance so far (every decoding request counts: its own token is a
         # row either way).
-        decode_only = len(decoding) == len(self.scheduler.running) and not self.scheduler.num_waiting
-        plain = bool(caps) and not self.step_cost.proposing_pays(len(decoding), decode_only)
+        decodes_alone = len(decoding) == len(self.scheduler.running) and not self.scheduler.num_waiting
+        plain = bool(caps) and not self.step_cost.proposing_pays(len(decoding), decodes_alone)
         self._withheld = plain and self.step_cost.plain_is_better(len(decoding))
         if plain:
             ks = [0] * len(caps)

@@ -45,24 +45,22 @@ class DraftModelProposer:
         bs = engine.config.block_size
         self.greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         self.shadows: dict[str, Request] = {}
-        # Drafting for itself, the target's own keys and values serve the draft (see _propose_in_place).
-        runner = engine.runner
-        self.in_place = cfg.method == "self" and engine.config.kv_cache_dtype == "auto" and runner.supports_bursts
+        # Drafting for itself, the target's own keys and values serve the draft (see _propose_in_place), where
+        # its cache has the draft's layout (not a tensor-parallel shard's, nor 8-bit) and bursts run.
+        target = engine.runner
+        cfg_d = self.model.config
+        self.in_place = (cfg.method == "self" and engine.config.kv_cache_dtype == "auto" and target.supports_bursts
+                         and len(target.kv_caches) == cfg_d.num_layers
+                         and all(tuple(t.shape[1:]) == (cfg_d.num_kv_heads, cfg_d.head_dim)
+                                 for kv in target.kv_caches for t in kv))
         num_blocks = 1 if self.in_place else engine.num_blocks  # else as many tokens as the target's cache holds
         self.runner = ModelRunner(self.model, num_blocks, bs, engine.device, engine.dtype, engine.config.seed,
                                   max_model_len=engine.max_model_len, kv_cache_dtype=engine.config.kv_cache_dtype)
-        if self.in_place and [tuple(t.shape[1:]) for kv in self.runner.kv_caches for t in kv] \
-                == [tuple(t.shape[1:]) for kv in runner.kv_caches for t in kv]:
-            self.runner.kv_caches, self.runner.scratch_slot = runner.kv_caches, runner.scratch_slot
-            self.runner.max_blocks = runner.max_blocks
+        if self.in_place:
+            self.runner.kv_caches, self.runner.scratch_slot = target.kv_caches, target.scratch_slot
+            self.runner.max_blocks = target.max_blocks
             logger.info("speculative draft: %s, on the target's own KV cache", type(self.model).__name__)
             return
-        if self.in_place:  # a shape the target's cache does not share (a tensor-parallel shard's, say)
-            self.in_place = False
-            self.runner = ModelRunner(self.model, engine.num_blocks, bs, engine.device, engine.dtype,
-                                      engine.config.seed, max_model_len=engine.max_model_len,
-                                      kv_cache_dtype=engine.config.kv_cache_dtype)
-        num_blocks = engine.num_blocks
         self.kv = KVCacheManager(num_blocks, bs, enable_caching=False)  # shadows hold unverified tokens
         logger.info("speculative draft: %s (%.1f MiB of KV cache)", type(self.model).__name__,
                     num_blocks * kv_bytes_per_block(self.model, bs, engine.dtype, engine.config.kv_cache_dtype) / 2**20)

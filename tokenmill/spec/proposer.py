@@ -135,13 +135,17 @@ class StepCost:
             return None
         return self.rates[(batch, True)] >= self.rates[(batch, False)]
 
+    def _judged(self) -> dict[int, bool]:
+        """The verdict of every batch size timed both ways."""
+        return {b: v for b in {b for b, _ in self.rates} if (v := self._verdict(b)) is not None}
+
     def plain_is_better(self, batch: int) -> bool:
         """Whether steps without proposals have been found to make more tokens a second at this batch size
         (or at fewer requests), as opposed to being timed."""
         better = self._verdict(batch)
         if better is not None:
             return not better
-        return any(b <= batch and self._verdict(b) is False for b in {b for b, _ in self.rates})
+        return any(b <= batch and not v for b, v in self._judged().items())
 
     def proposing_pays(self, batch: int, decode_only: bool = True) -> bool:
         """Whether the next step of `batch` decoding requests gets proposals (decode_only: whether it will
@@ -154,10 +158,9 @@ class StepCost:
         Otherwise, and in steps that also run prompts, proposals are made."""
         better = self._verdict(batch)
         if better is None:
-            judged = {b: v for b in {b for b, _ in self.rates} if (v := self._verdict(b)) is not None}
-            if any(b <= batch and not v for b, v in judged.items()):
+            if self.plain_is_better(batch):
                 return False
-            if any(b >= batch and v for b, v in judged.items()):
+            if any(b >= batch and v for b, v in self._judged().items()):
                 return True
             # plain steps timed first, then steps with proposals
             return not decode_only or self.rate_counts.get((batch, False), 0) >= self.MIN_SAMPLES
