@@ -48,3 +48,29 @@ class AttentionBackend:
         logits (scaled q.k) become softcap * tanh(logits / softcap) before the softmax. sinks [H]: each
         head's softmax also takes this logit, whose share of the probability goes to no value."""
         raise NotImplementedError
+
+
+BACKENDS = ("torch", "triton")
+
+
+def new_backend(device) -> AttentionBackend:
+    """The attention backend TOKENMILL_ATTENTION_BACKEND names: "torch" (the default: the CPU kernels where
+    they run, torch's operators elsewhere) or "triton" (attention/triton_paged.py: paged kernels for CUDA
+    GPUs; on the CPU only under Triton's interpreter, TRITON_INTERPRET=1, which is how tests run it)."""
+    import os
+
+    name = os.environ.get("TOKENMILL_ATTENTION_BACKEND", "torch")
+    if name not in BACKENDS:
+        raise ValueError(f"TOKENMILL_ATTENTION_BACKEND must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "triton":
+        if getattr(device, "type", str(device)) != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the Triton attention backend runs on CUDA GPUs (on the CPU only under "
+                             "TRITON_INTERPRET=1, Triton's interpreter, for tests)")
+        try:
+            from tokenmill.attention.triton_paged import TritonPagedBackend
+        except ImportError as e:
+            raise ValueError(f"the Triton attention backend needs the triton package: {e}") from e
+        return TritonPagedBackend()
+    from tokenmill.attention.cpu import TorchSDPABackend
+
+    return TorchSDPABackend()

@@ -59,13 +59,13 @@ def quiet_logging() -> None:
 
 def load_shard(config, rank: int, world: int, group):
     """This rank's LoadedModel."""
-    from tokenmill.attention.cpu import TorchSDPABackend
+    from tokenmill.attention.backend import new_backend
     from tokenmill.config import resolve_device, resolve_dtype
     from tokenmill.model.loader import load_model
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, None)
-    return load_model(config.model, dtype, device, TorchSDPABackend(), max_positions=config.max_model_len,
+    return load_model(config.model, dtype, device, new_backend(device), max_positions=config.max_model_len,
                       quantization=config.quantization, tensor_parallel=(rank, world, group))
 
 

@@ -9,7 +9,7 @@ import weakref
 from typing import Callable, Sequence
 
 
-from tokenmill.attention.cpu import TorchSDPABackend
+from tokenmill.attention.backend import new_backend
 from tokenmill.config import EngineConfig, resolve_device, resolve_dtype
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.kernels import cpu as cpu_kernels
@@ -60,7 +60,7 @@ class LLMEngine:
             self.tp = TensorParallel(config, launched)
             weakref.finalize(self, self.tp.close)
             tensor_parallel = (0, self.tp.world, self.tp.group)
-        self.loaded = load_model(config.model, self.dtype, self.device, TorchSDPABackend(),
+        self.loaded = load_model(config.model, self.dtype, self.device, new_backend(self.device),
                                  max_positions=config.max_model_len, quantization=config.quantization,
                                  tensor_parallel=tensor_parallel)
         self.model = self.loaded.model

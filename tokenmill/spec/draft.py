@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from tokenmill.attention.cpu import TorchSDPABackend
+from tokenmill.attention.backend import new_backend
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -35,7 +35,7 @@ class DraftModelProposer:
         else:
             name, quantization = cfg.model, "auto"
         try:
-            loaded = load_model(name, engine.dtype, engine.device, TorchSDPABackend(),
+            loaded = load_model(name, engine.dtype, engine.device, new_backend(engine.device),
                                 max_positions=engine.max_model_len, quantization=quantization)
         except ValueError as e:
             raise ValueError(f"the speculative draft ({cfg.method}) could not be loaded: {e}") from e
