@@ -72,7 +72,7 @@ def _cpu_has_fast_bf16() -> bool:
         return False
 
 
-QUANTIZATION = ("auto", "none", "int8", "int4")
+QUANTIZATION = ("auto", "none", "int8", "int4", "fp8")
 
 
 @dataclass(slots=True)
@@ -83,7 +83,9 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     # "auto": a quantized GGUF file runs in its own block formats (as llama.cpp runs it); "none":
     # every weight is dequantized to dtype at load (the reference path); "int8" / "int4": float weights
-    # are quantized at load (groups of 32; the embedding and output layer at 8 bits).
+    # are quantized at load (groups of 32; the embedding and output layer at 8 bits); "fp8": float weights
+    # become e4m3 codes with a scale per output channel, multiplied by torch's FP8 product (GPUs with FP8
+    # tensor cores; the embedding and output layer stay float).
     quantization: str = "auto"
     device: str | None = "auto"
     max_model_len: int | None = None

@@ -90,11 +90,9 @@ class _QuantizableLinear(nn.Module):
                              f"{(self.out_sizes[index], self.in_features)}")
         self._qparts[index] = qweight
         if not self.missing_parts:
-            from tokenmill.kernels.quant import QuantizedWeight
-
             parts = self._qparts
-            same = all(p.qtype == parts[0].qtype for p in parts)
-            self.qweight = (parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)) if same else list(parts)
+            same = all(type(p) is type(parts[0]) and p.qtype == parts[0].qtype for p in parts)
+            self.qweight = (parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)) if same else list(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qweight

@@ -192,6 +192,10 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         if kernels is None:
             return None
+        if any(w.qtype is None for m in self.modules() for w in getattr(m, "qparts", ())):
+            logger.info("the fused decode step takes float and GGUF-block weights, not fp8: decode steps run module "
+                        "by module")
+            return None
         moe_sizes = [] if cfg.moe is None else [cfg.moe.intermediate_size, cfg.moe.shared_intermediate_size]
         if any(size % 32 for size in moe_sizes):
             logger.info("the fused decode step takes experts whose sizes are multiples of 32 (this model: %s): "

@@ -45,6 +45,10 @@ class LoadedModel:
         return tuple(dict.fromkeys(ids))
 
 
+# Quantizations applied to float weights as they load.
+AT_LOAD = (*quant.QUANTIZE_TO, "fp8")
+
+
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                max_positions: int | None = None, quantization: str = "auto", tensor_parallel=None) -> LoadedModel:
     """Resolve the name (None: the default model), read config and tokenizer, build and fill the model.
@@ -75,7 +79,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
             buffer = arena.huge_page_buffer(total)
             place = {name: buffer[off:off + rows * row_bytes].view(rows, row_bytes)
                      for name, (off, rows, row_bytes) in layout.items()}
-        if quantization in quant.QUANTIZE_TO:
+        if quantization in AT_LOAD:
             kinds = gguf_loader.quantized_types(reader)
             if kinds:
                 raise ValueError(f"{os.path.basename(path)} is already quantized ({', '.join(kinds)}); quantization "
@@ -95,7 +99,10 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
 
     if quantization in quant.QUANTIZE_TO and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU kernels; on {device.type} load the "
-                         "weights unquantized (quantization 'auto')")
+                         "weights unquantized (quantization 'auto') or as fp8")
+    if quantization == "fp8" and tensor_parallel is not None:
+        raise ValueError("quantization 'fp8' does not shard between tensor-parallel ranks yet: load the weights "
+                         "unquantized, or run one rank")
     if device.type == "cpu":
         cpu_kernels.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
@@ -116,6 +123,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     model.quantize_weights(quantized)
     if quantization in quant.QUANTIZE_TO:
         weights = quantize_on_load(model, weights, quantization)
+    elif quantization == "fp8":
+        weights = fp8_on_load(model, weights, device)
     if device.type == "cpu":
         # One contiguous, huge-page-backed buffer for the weights (kept for measuring its read speed).
         model.weight_arena = arena.materialize(model, dtype)
@@ -180,6 +189,36 @@ def quantize_on_load(model: nn.Module, weights, quantization: str):
                 module.quantize_part(part)
     model.quantized = bool(targets)
     return _quantized_stream(model, weights, targets, quantization)
+
+
+def fp8_on_load(model: nn.Module, weights, device: torch.device):
+    """Prepare the model's linear layers for FP8 weights (kernels/fp8.py) and quantize their float checkpoint
+    tensors on the device as they stream past. The embedding, the output layer, mixture-of-experts experts and
+    routers, and layers whose sizes are not multiples of 16 (the FP8 product's granule) stay float."""
+    from tokenmill.kernels.fp8 import Fp8Weight, scaled_mm_supported
+    from tokenmill.model.layers import Embedding, _QuantizableLinear
+
+    targets = set()
+    for name, module in model.named_modules():
+        if (isinstance(module, _QuantizableLinear) and not isinstance(module, Embedding) and name != "lm_head"
+                and not getattr(module, "keep_float", False) and module.in_features % 16 == 0
+                and all(size % 16 == 0 for size in module.out_sizes)):
+            targets.add(name)
+            module.quantize_weight()
+    model.quantized = bool(targets)
+    if not scaled_mm_supported(device):
+        logger.info("torch has no FP8 product on this %s: fp8 weights are dequantized for each product", device)
+    start, before, after, count = time.perf_counter(), 0, 0, 0
+    for name, tensor in weights:
+        module_name = model._weight_module(name)[0] if name.endswith(".weight") else None
+        if module_name in targets and isinstance(tensor, torch.Tensor):
+            before += tensor.numel() * model.norm.weight.element_size()
+            tensor = Fp8Weight.quantize(tensor.to(device), name)
+            after += tensor.nbytes
+            count += 1
+        yield name, tensor
+    logger.info("quantized %d weights to fp8 (e4m3, a scale per channel; embedding and output layer float) in "
+                "%.2f s: %.1f MiB -> %.1f MiB", count, time.perf_counter() - start, before / 2**20, after / 2**20)
 
 
 def _quantized_stream(model: nn.Module, weights, targets: dict, quantization: str):
