@@ -206,7 +206,10 @@ def fp8_on_load(model: nn.Module, weights, device: torch.device):
             targets.add(name)
             module.quantize_weight()
     model.quantized = bool(targets)
-    if not scaled_mm_supported(device):
+    if device.type == "cpu":
+        logger.warning("fp8 weights on the CPU run through torch's reference FP8 product, slower than bfloat16: "
+                       "the CPU's own formats are quantization 'int8' and 'int4'")
+    elif not scaled_mm_supported(device):
         logger.info("torch has no FP8 product on this %s: fp8 weights are dequantized for each product", device)
     start, before, after, count = time.perf_counter(), 0, 0, 0
     for name, tensor in weights:
