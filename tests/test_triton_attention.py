@@ -215,3 +215,20 @@ def test_engine_with_triton_attention_matches_transformers(tiny_models, arch, mo
         assert stats.num_drafts > 0 and stats.num_accepted_tokens > stats.num_draft_tokens / 2
     pool = engine.kv_manager.pool
     assert pool.num_free == pool.num_blocks
+
+
+def test_an_unknown_attention_backend_is_refused(tiny_models, monkeypatch):
+    from tokenmill import LLM
+
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="TOKENMILL_ATTENTION_BACKEND must be one of torch, triton, got 'flash'"):
+        LLM(tiny_models["llama"], dtype="float32")
+
+
+def test_the_triton_backend_on_the_cpu_needs_the_interpreter(monkeypatch):
+    from tokenmill.attention.backend import new_backend
+
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on CUDA GPUs"):
+        new_backend(torch.device("cpu"))
