@@ -110,6 +110,9 @@ def test_fp8_saves_the_bytes_of_the_projections(tiny_models):
             if "embed" in n or "lm_head" in n or "norm" in n)
 
     assert projection_bytes(fp8) < 0.55 * projection_bytes(base)
+    # No float copy of the projections was ever allocated: the CPU's weight buffer holds only what stays float.
+    float_bytes = sum(p.numel() * p.element_size() for p in fp8.engine.model.parameters())
+    assert fp8.engine.model.weight_arena.numel() < float_bytes + 4096 * len(list(fp8.engine.model.parameters()))
 
 
 def test_fp8_on_a_quantized_file_is_refused(default_gguf):

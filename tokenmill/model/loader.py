@@ -195,7 +195,7 @@ def fp8_on_load(model: nn.Module, weights, device: torch.device):
     """Prepare the model's linear layers for FP8 weights (kernels/fp8.py) and quantize their float checkpoint
     tensors on the device as they stream past. The embedding, the output layer, mixture-of-experts experts and
     routers, and layers whose sizes are not multiples of 16 (the FP8 product's granule) stay float."""
-    from tokenmill.kernels.fp8 import Fp8Weight, scaled_mm_supported
+    from tokenmill.kernels.fp8 import scaled_mm_supported
     from tokenmill.model.layers import Embedding, _QuantizableLinear
 
     targets = set()
@@ -211,6 +211,12 @@ def fp8_on_load(model: nn.Module, weights, device: torch.device):
                        "the CPU's own formats are quantization 'int8' and 'int4'")
     elif not scaled_mm_supported(device):
         logger.info("torch has no FP8 product on this %s: fp8 weights are dequantized for each product", device)
+    return _fp8_stream(model, weights, targets, device)
+
+
+def _fp8_stream(model: nn.Module, weights, targets: set, device: torch.device):
+    from tokenmill.kernels.fp8 import Fp8Weight
+
     start, before, after, count = time.perf_counter(), 0, 0, 0
     for name, tensor in weights:
         module_name = model._weight_module(name)[0] if name.endswith(".weight") else None
