@@ -39,8 +39,11 @@ def make_llm(folder: str, dtype: str, graphs: bool = True, **kwargs) -> LLM:
 
 def teacher_forced_errors(folder: str, prompt_ids: list[list[int]], outs) -> tuple[list[float], list[float]]:
     """Per generated token after the first: how far below transformers' (float32, same device) best logit
-    our choice lies in logprob, and how far our logprob of it is from transformers'."""
+    our choice lies in logprob, and how far our logprob of it is from transformers'. The requests run with
+    min_tokens = max_tokens, so the end-of-sequence tokens, which they may not choose, are no one's best."""
     ref = reference_model(folder).to(DEVICE)
+    eos = ref.generation_config.eos_token_id
+    banned = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
     gaps, lp_err = [], []
     for ids, out in zip(prompt_ids, outs):
         gen = out.outputs[0].token_ids
@@ -49,7 +52,7 @@ def teacher_forced_errors(folder: str, prompt_ids: list[list[int]], outs) -> tup
             lps = teacher_forced_logits(ref, ids + gen).float().log_softmax(-1).cpu()
         for j, t in enumerate(gen):
             ref_lp = lps[len(ids) + j - 1]
-            gaps.append(float(ref_lp.max() - ref_lp[t]))
+            gaps.append(float(ref_lp.index_fill(0, banned, float("-inf")).max() - ref_lp[t]))
             lp_err.append(abs(out.outputs[0].logprobs[j][t].logprob - float(ref_lp[t])))
     return gaps, lp_err
 

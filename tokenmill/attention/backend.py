@@ -70,6 +70,9 @@ def new_backend(device) -> AttentionBackend:
             from tokenmill.attention.triton_paged import TritonPagedBackend
         except ImportError as e:
             raise ValueError(f"the Triton attention backend needs the triton package: {e}") from e
+        import logging
+
+        logging.getLogger("tokenmill").info("attention: Triton paged kernels (TOKENMILL_ATTENTION_BACKEND=triton)")
         return TritonPagedBackend()
     from tokenmill.attention.cpu import TorchSDPABackend
 
