@@ -42,7 +42,7 @@ def main() -> None:
 
     from tokenmill.attention.backend import AttentionMetadata
     from tokenmill.attention.cpu import TorchSDPABackend
-    from tokenmill.attention.triton_paged import TritonPagedBackend
+    from tokenmill.attention.triton_paged import TritonPagedBackend, paged_attention
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -82,9 +82,10 @@ def main() -> None:
             k_cache, v_cache = caches(batch * per + 1)
             tables = torch.randperm(batch * per, device=device).view(batch, per) + 1
             meta = AttentionMetadata(
-                slot_mapping=torch.zeros(batch, dtype=torch.long, device=device), query_start_loc=list(range(batch + 1)),
-                seq_lens=[ctx] * batch, num_decodes=batch, decode_block_tables=tables,
-                decode_seq_lens=torch.full((batch,), ctx, device=device), block_tables=[None] * batch, block_size=bs)
+                slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
+                query_start_loc=list(range(batch + 1)), seq_lens=[ctx] * batch, num_decodes=batch,
+                decode_block_tables=tables, decode_seq_lens=torch.full((batch,), ctx, device=device),
+                block_tables=[None] * batch, block_size=bs)
             q = torch.randn(batch, h, d, device=device, dtype=dtype)
             scale = d ** -0.5
 
@@ -94,8 +95,6 @@ def main() -> None:
 
             def run_triton():
                 meta.cache.clear()
-                from tokenmill.attention.triton_paged import paged_attention
-
                 return paged_attention(q, k_cache, v_cache, meta, scale, None)
 
             torch.testing.assert_close(run_triton().float(), run_torch().float(), atol=2e-2, rtol=2e-2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -57,8 +59,6 @@ def new_backend(device) -> AttentionBackend:
     """The attention backend TOKENMILL_ATTENTION_BACKEND names: "torch" (the default: the CPU kernels where
     they run, torch's operators elsewhere) or "triton" (attention/triton_paged.py: paged kernels for CUDA
     GPUs; on the CPU only under Triton's interpreter, TRITON_INTERPRET=1, which is how tests run it)."""
-    import os
-
     name = os.environ.get("TOKENMILL_ATTENTION_BACKEND", "torch")
     if name not in BACKENDS:
         raise ValueError(f"TOKENMILL_ATTENTION_BACKEND must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -70,8 +70,6 @@ def new_backend(device) -> AttentionBackend:
             from tokenmill.attention.triton_paged import TritonPagedBackend
         except ImportError as e:
             raise ValueError(f"the Triton attention backend needs the triton package: {e}") from e
-        import logging
-
         logging.getLogger("tokenmill").info("attention: Triton paged kernels (TOKENMILL_ATTENTION_BACKEND=triton)")
         return TritonPagedBackend()
     from tokenmill.attention.cpu import TorchSDPABackend

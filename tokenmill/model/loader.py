@@ -181,29 +181,43 @@ def quantize_on_load(model: nn.Module, weights, quantization: str):
     for name, module in model.named_modules():
         if isinstance(module, _QuantizableLinear) and module.in_features % 32 == 0 \
                 and not getattr(module, "keep_float", False):
-            targets[name] = edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type
+            targets[name] = _to_blocks(edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type)
             module.quantize_weight()
         elif isinstance(module, Experts) and module.hidden % 32 == 0 and module.intermediate % 32 == 0:
-            targets[name] = linear_type
+            targets[name] = _to_blocks(linear_type)
             for part in range(3):
                 module.quantize_part(part)
     model.quantized = bool(targets)
-    return _quantized_stream(model, weights, targets, quantization)
+    describe = (f"{quantization} ({quant.FORMATS[linear_type][0]}; embedding and output layer "
+                f"{quant.FORMATS[edge_type][0]})")
+    return _quantized_stream(model, weights, targets, describe)
+
+
+def _to_blocks(qtype: int):
+    """A checkpoint tensor [rows, cols] (or experts stacked [E, rows, cols], their rows one after another;
+    sliced by expert later) to GGUF blocks of qtype."""
+    def quantize(tensor: torch.Tensor, name: str):
+        tile_rows = tensor.shape[-2] if tensor.dim() == 3 else None
+        return quant.quantize(tensor.reshape(-1, tensor.shape[-1]), qtype, name, tile_rows)
+    return quantize
 
 
 def fp8_on_load(model: nn.Module, weights, device: torch.device):
     """Prepare the model's linear layers for FP8 weights (kernels/fp8.py) and quantize their float checkpoint
     tensors on the device as they stream past. The embedding, the output layer, mixture-of-experts experts and
     routers, and layers whose sizes are not multiples of 16 (the FP8 product's granule) stay float."""
-    from tokenmill.kernels.fp8 import scaled_mm_supported
+    from tokenmill.kernels.fp8 import Fp8Weight, scaled_mm_supported
     from tokenmill.model.layers import Embedding, _QuantizableLinear
 
-    targets = set()
+    def to_fp8(tensor: torch.Tensor, name: str):
+        return Fp8Weight.quantize(tensor.to(device), name)
+
+    targets = {}
     for name, module in model.named_modules():
         if (isinstance(module, _QuantizableLinear) and not isinstance(module, Embedding) and name != "lm_head"
                 and not getattr(module, "keep_float", False) and module.in_features % 16 == 0
                 and all(size % 16 == 0 for size in module.out_sizes)):
-            targets.add(name)
+            targets[name] = to_fp8
             module.quantize_weight()
     model.quantized = bool(targets)
     if device.type == "cpu":
@@ -211,40 +225,23 @@ def fp8_on_load(model: nn.Module, weights, device: torch.device):
                        "the CPU's own formats are quantization 'int8' and 'int4'")
     elif not scaled_mm_supported(device):
         logger.info("torch has no FP8 product on this %s: fp8 weights are dequantized for each product", device)
-    return _fp8_stream(model, weights, targets, device)
+    return _quantized_stream(model, weights, targets,
+                             "fp8 (e4m3, a scale per channel; embedding and output layer float)")
 
 
-def _fp8_stream(model: nn.Module, weights, targets: set, device: torch.device):
-    from tokenmill.kernels.fp8 import Fp8Weight
-
+def _quantized_stream(model: nn.Module, weights, targets: dict, describe: str):
+    """The checkpoint's (name, tensor) pairs, each float weight of a module in targets replaced by
+    targets[module](tensor, name) as it streams past (the float copy is never kept)."""
     start, before, after, count = time.perf_counter(), 0, 0, 0
     for name, tensor in weights:
         module_name = model._weight_module(name)[0] if name.endswith(".weight") else None
         if module_name in targets and isinstance(tensor, torch.Tensor):
             before += tensor.numel() * model.norm.weight.element_size()
-            tensor = Fp8Weight.quantize(tensor.to(device), name)
+            tensor = targets[module_name](tensor, name)
             after += tensor.nbytes
             count += 1
         yield name, tensor
-    logger.info("quantized %d weights to fp8 (e4m3, a scale per channel; embedding and output layer float) in "
-                "%.2f s: %.1f MiB -> %.1f MiB", count, time.perf_counter() - start, before / 2**20, after / 2**20)
-
-
-def _quantized_stream(model: nn.Module, weights, targets: dict, quantization: str):
-    linear_type, edge_type = quant.QUANTIZE_TO[quantization]
-    start, before, after, count = time.perf_counter(), 0, 0, 0
-    for name, tensor in weights:
-        module_name = model._weight_module(name)[0] if name.endswith(".weight") else None
-        if module_name in targets and isinstance(tensor, torch.Tensor):
-            before += tensor.numel() * model.norm.weight.element_size()
-            # [rows, cols], or experts stacked [E, rows, cols]: their rows one after another
-            tile_rows = tensor.shape[-2] if tensor.dim() == 3 else None  # (sliced by expert later)
-            tensor = quant.quantize(tensor.reshape(-1, tensor.shape[-1]), targets[module_name], name, tile_rows)
-            after += tensor.nbytes
-            count += 1
-        yield name, tensor
-    logger.info("quantized %d weights to %s (%s; embedding and output layer %s) in %.2f s: %.1f MiB -> %.1f MiB",
-                count, quantization, quant.FORMATS[linear_type][0], quant.FORMATS[edge_type][0],
+    logger.info("quantized %d weights to %s in %.2f s: %.1f MiB -> %.1f MiB", count, describe,
                 time.perf_counter() - start, before / 2**20, after / 2**20)
 
 
