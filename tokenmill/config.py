@@ -72,7 +72,7 @@ def _cpu_has_fast_bf16() -> bool:
         return False
 
 
-QUANTIZATION = ("auto", "none", "int8", "int4", "fp8")
+QUANTIZATION = ("auto", "none", "int8", "int4", "int4-gptq", "fp8")
 
 
 @dataclass(slots=True)
@@ -83,7 +83,9 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     # "auto": a quantized GGUF file runs in its own block formats (as llama.cpp runs it); "none":
     # every weight is dequantized to dtype at load (the reference path); "int8" / "int4": float weights
-    # are quantized at load (groups of 32; the embedding and output layer at 8 bits); "fp8": float weights
+    # are quantized at load (groups of 32; the embedding and output layer at 8 bits); "int4-gptq": int4 whose
+    # linear layers are fitted at load to the inputs they see on a calibration text (model/calibrate.py:
+    # GPTQ; a load of the float model and a pass over 8k tokens first); "fp8": float weights
     # become e4m3 codes with a scale per output channel, multiplied by torch's FP8 product (GPUs with FP8
     # tensor cores; the embedding and output layer stay float).
     quantization: str = "auto"
@@ -145,6 +147,9 @@ class EngineConfig:
                              f"its folder); {self.generation_config!r} does not exist")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.quantization == "int4-gptq":
+            raise ValueError("quantization 'int4-gptq' calibrates the whole model on one rank: use 'int4' with "
+                             "tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None \
                 and self.speculative_config.method == "self":
             raise ValueError("speculative decoding with method 'self' does not run with tensor_parallel_size > 1 "

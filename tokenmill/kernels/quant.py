@@ -263,7 +263,7 @@ class QuantizedWeight:
 
 # quantization= name -> (format of the linear layers, format of the embedding and output layer). The
 # embedding and output layer stay at 8 bits in int4 mode, as llama.cpp's 4-bit mixes keep them at 6-8.
-QUANTIZE_TO = {"int8": (8, 8), "int4": (3, 8)}
+QUANTIZE_TO = {"int8": (8, 8), "int4": (3, 8), "int4-gptq": (3, 8)}
 
 
 def _minmax_affine(g: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,27 +278,45 @@ def _affine_codes(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor, top: int) -
     return ((g - m.float()) * inv).round().clamp(0, top)
 
 
-def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4, importance: torch.Tensor | None = None,
+                search: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale d and offset m (float16, as stored) of each group of g [..., n] on the grid w ~ d q + m,
     q in 0..top, with the least squared error found: from the group's range, then alternately rounding q
     and refitting d and m by least squares. The range's own grid is kept where nothing beats it (weights
-    that already lie on such a grid keep it exactly)."""
-    n = g.shape[-1]
+    that already lie on such a grid keep it exactly). importance [n] (positive): each element's weight in
+    the squared error (by default all 1). search: also start from the codes of `search` grids over the
+    range with from top - 1 to top + 1 steps, each refitted, and go on from the best."""
+    c = torch.ones(g.shape[-1]) if importance is None else importance.float()
+    n = c.sum()
+    cg = c * g
+    sw = cg.sum(-1, keepdim=True)
 
     def error(d, m):
         q = _affine_codes(g, d, m, top)
-        return ((q * d.float() + m.float() - g) ** 2).sum(-1, keepdim=True), q
+        return (c * (q * d.float() + m.float() - g) ** 2).sum(-1, keepdim=True), q
+
+    def refit(q, fallback):
+        sq = (c * q).sum(-1, keepdim=True)
+        sqq, sqw = (c * q * q).sum(-1, keepdim=True), (q * cg).sum(-1, keepdim=True)
+        den = n * sqq - sq * sq
+        d = torch.where(den > 0, (n * sqw - sq * sw) / den.clamp(min=1e-30), fallback.float()).clamp(min=0)
+        return d.half(), ((sw - d * sq) / n).half()
 
     best_d, best_m = _minmax_affine(g, top)
     best, q = error(best_d, best_m)
+    if search:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        span = (hi - lo).clamp(min=1e-30)
+        best_q = q
+        for steps in torch.linspace(top - 1, top + 1, search).tolist():
+            d, m = refit(((g - lo) * (steps / span)).round().clamp(0, top), best_d)
+            err, q = error(d, m)
+            better = err < best
+            best_d, best_m, best = torch.where(better, d, best_d), torch.where(better, m, best_m), torch.minimum(err, best)
+            best_q = torch.where(better, q, best_q)
+        q = best_q
     for _ in range(iterations):
-        sq, sw = q.sum(-1, keepdim=True), g.sum(-1, keepdim=True)
-        sqq, sqw = (q * q).sum(-1, keepdim=True), (q * g).sum(-1, keepdim=True)
-        den = n * sqq - sq * sq
-        d = torch.where(den > 0, (n * sqw - sq * sw) / den.clamp(min=1e-30), best_d.float())
-        d = d.clamp(min=0)
-        m = (sw - d * sq) / n
-        d, m = d.half(), m.half()
+        d, m = refit(q, best_d)
         err, q = error(d, m)
         better = err < best
         best_d, best_m, best = torch.where(better, d, best_d), torch.where(better, m, best_m), torch.minimum(err, best)
@@ -322,10 +340,68 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int |
         # (by rows: the fit's temporaries are a few times the rows' float32 size; an expert stack is large)
         fits = [_fit_affine(part, 15) for part in g.split(4096)]
         d, m = torch.cat([f[0] for f in fits]), torch.cat([f[1] for f in fits])
-        q = _affine_codes(g, d, m, 15).to(torch.uint8)
-        packed = q[..., :16] | (q[..., 16:] << 4)  # GGUF's order: element j low, j + 16 high
-        blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), m.view(torch.uint8).reshape(n, k // 32, 2),
-                            packed], dim=-1)
+        blocks = _q4_1_blocks(d, m, _affine_codes(g, d, m, 15))
     else:
         raise ValueError(f"quantizing to {type_name(qtype)} is not supported (Q8_0 and Q4_1 are)")
     return QuantizedWeight.from_blocks(qtype, (n, k), blocks.reshape(n, -1).contiguous(), name, tile_rows=tile_rows)
+
+
+def _q4_1_blocks(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks [N, K/32, 20] from each group's scale and offset [N, K/32, 1] (float16) and codes
+    [N, K/32, 32] (0..15)."""
+    n, groups = q.shape[:2]
+    q = q.to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # GGUF's order: element j low, j + 16 high
+    return torch.cat([d.view(torch.uint8).reshape(n, groups, 2), m.view(torch.uint8).reshape(n, groups, 2), packed],
+                     dim=-1)
+
+
+def gptq_q4_1(w: torch.Tensor, hessian: torch.Tensor, name: str = "weight", damp: float = 0.01,
+              block: int = 128) -> torch.Tensor:
+    """Q4_1 blocks [N, K/32 * 20] of a float matrix w [N, K] fitted to the inputs it multiplies (GPTQ,
+    Frantar et al. 2022): hessian [K, K] is the sum of x x^T over calibration inputs x of the layer.
+
+    The columns are rounded in order, and each column's rounding error is spread over the columns not yet
+    rounded, weighted by the inverse Hessian, so that the layer's outputs on such inputs move the least.
+    Each group of 32 gets its grid (`_fit_affine`, searching 11 starting grids) from its weights as they
+    stand when the group is reached, each weight's squared error there weighted by its input's mean square
+    (the Hessian's diagonal): on Gemma 3 270M that weighting halves what GPTQ with unweighted grids loses
+    (docs/benchmarks.md). Rows are independent: a merged projection's parts get the same blocks quantized
+    together or apart."""
+    n, k = w.shape
+    if k % 32 or block % 32:
+        raise ValueError(f"{name}: rows of {k} elements do not divide into groups of 32")
+    if hessian.shape != (k, k):
+        raise ValueError(f"{name}: a Hessian of shape {tuple(hessian.shape)} for rows of {k} elements")
+    W = w.detach().float().clone()
+    H = hessian.detach().float().clone()
+    diag = H.diagonal()
+    importance = diag.clamp(min=diag.mean() * 1e-6 + 1e-30)  # (inputs never seen: a token weight, not none)
+    diag[diag == 0] = 1  # such inputs' columns are rounded alone: nothing spreads to or from them
+    diag.add_(damp * diag.mean())
+    try:
+        L = torch.linalg.cholesky(H)
+    except torch.linalg.LinAlgError:  # numerically indefinite: more damping
+        diag.add_(diag.mean())
+        L = torch.linalg.cholesky(H)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # H^-1 = U^T U
+    d = torch.empty(n, k // 32, 1, dtype=torch.float16)
+    m = torch.empty_like(d)
+    codes = torch.empty(n, k)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1, E1, U1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1), U[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            c = i1 + j
+            if c % 32 == 0:
+                gd, gm = _fit_affine(W1[:, j:j + 32], 15, importance=importance[c:c + 32], search=11)
+                d[:, c // 32], m[:, c // 32] = gd, gm
+                df, mf = gd.float()[:, 0], gm.float()[:, 0]
+            col = W1[:, j]
+            q = _affine_codes(col.unsqueeze(1), gd, gm, 15)[:, 0]
+            codes[:, c] = q
+            err = (col - (q * df + mf)) / U1[j, j]
+            W1[:, j:].sub_(err.unsqueeze(1) * U1[j, j:].unsqueeze(0))
+            E1[:, j] = err
+        W[:, i2:].sub_(E1 @ U[i1:i2, i2:])
+    return _q4_1_blocks(d, m, codes.view(n, k // 32, 32)).reshape(n, -1).contiguous()

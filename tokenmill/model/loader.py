@@ -103,6 +103,19 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     if quantization == "fp8" and tensor_parallel is not None:
         raise ValueError("quantization 'fp8' does not shard between tensor-parallel ranks yet: load the weights "
                          "unquantized, or run one rank")
+    fitted = None
+    if quantization == "int4-gptq":
+        if tensor_parallel is not None:
+            raise ValueError("quantization 'int4-gptq' calibrates the whole model on one rank: use 'int4' with "
+                             "tensor parallelism")
+        from tokenmill.model import calibrate
+
+        logger.info("int4-gptq: the float model first, to fit each layer's 4-bit weights to its inputs")
+        reference = load_model(name, dtype, device, backend, max_positions, "none")
+        fitted = calibrate.gptq_int4(reference.model, calibrate.calibration_windows(
+            reference.tokenizer, window=min(calibrate.WINDOW, max_positions or calibrate.WINDOW,
+                                            hf_config.get("max_position_embeddings") or calibrate.WINDOW)))
+        del reference
     if device.type == "cpu":
         cpu_kernels.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
@@ -122,7 +135,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
             weights = tp.cut_float_weights(model, shard, weights)
     model.quantize_weights(quantized)
     if quantization in quant.QUANTIZE_TO:
-        weights = quantize_on_load(model, weights, quantization)
+        weights = quantize_on_load(model, weights, quantization, fitted)
     elif quantization == "fp8":
         weights = fp8_on_load(model, weights, device)
     if device.type == "cpu":
@@ -165,11 +178,13 @@ def _shard(hf_config: dict, tensor_parallel, granule: int = 32):
     return Shard.of(hf_config, rank, world, granule)
 
 
-def quantize_on_load(model: nn.Module, weights, quantization: str):
+def quantize_on_load(model: nn.Module, weights, quantization: str, fitted: dict | None = None):
     """Prepare the model's linear layers and embedding for int8 / int4 weights, and quantize their float
     checkpoint tensors as they stream past (the float copy is never kept), mixture-of-experts experts
     included (each expert's matrices in the linear layers' format). Layers whose rows do not divide into
-    groups of 32 stay float, as do mixture-of-experts routers (keep_float: their top-k choice is discrete)."""
+    groups of 32 stay float, as do mixture-of-experts routers (keep_float: their top-k choice is discrete).
+    fitted: blocks already chosen for some layers (calibrate.py), by module name; their checkpoint
+    tensors are replaced by them."""
     from tokenmill.model.layers import Embedding, _QuantizableLinear
     from tokenmill.model.moe import Experts
 
@@ -181,7 +196,11 @@ def quantize_on_load(model: nn.Module, weights, quantization: str):
     for name, module in model.named_modules():
         if isinstance(module, _QuantizableLinear) and module.in_features % 32 == 0 \
                 and not getattr(module, "keep_float", False):
-            targets[name] = _to_blocks(edge_type if isinstance(module, Embedding) or name == "lm_head" else linear_type)
+            if fitted is not None and name in fitted:
+                targets[name] = _fitted_blocks(model, module, fitted[name], linear_type)
+            else:
+                targets[name] = _to_blocks(edge_type if isinstance(module, Embedding) or name == "lm_head"
+                                           else linear_type)
             module.quantize_weight()
         elif isinstance(module, Experts) and module.hidden % 32 == 0 and module.intermediate % 32 == 0:
             targets[name] = _to_blocks(linear_type)
@@ -200,6 +219,18 @@ def _to_blocks(qtype: int):
         tile_rows = tensor.shape[-2] if tensor.dim() == 3 else None
         return quant.quantize(tensor.reshape(-1, tensor.shape[-1]), qtype, name, tile_rows)
     return quantize
+
+
+def _fitted_blocks(model: nn.Module, module: nn.Module, blocks: torch.Tensor, qtype: int):
+    """A checkpoint tensor of the module (the whole merged projection, or one part of it) -> those rows of
+    the blocks fitted for the whole module."""
+    def take(tensor: torch.Tensor, name: str):
+        rows = tensor.shape[0]
+        if tensor.dim() != 2 or tensor.shape[1] != module.in_features:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the calibrated layer")
+        first = 0 if rows == blocks.shape[0] else sum(module.out_sizes[:model._weight_module(name)[1]])
+        return quant.QuantizedWeight.from_blocks(qtype, (rows, module.in_features), blocks[first:first + rows], name)
+    return take
 
 
 def fp8_on_load(model: nn.Module, weights, device: torch.device):

@@ -60,8 +60,9 @@ class SpeculativeConfig:
                 raise ValueError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative_config method "draft_model" needs "model": a path or known name')
-        if self.method == "self" and self.quantization not in ("int8", "int4"):
-            raise ValueError(f'speculative_config method "self" quantizes to int8 or int4, got {self.quantization!r}')
+        if self.method == "self" and self.quantization not in ("int8", "int4", "int4-gptq"):
+            raise ValueError('speculative_config method "self" quantizes to int8, int4 or int4-gptq, got '
+                             f'{self.quantization!r}')
 
     def describe(self) -> str:
         extra = {"ngram": f", lookup {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens",
