@@ -139,3 +139,33 @@ def test_int4_gptq_as_the_self_draft(tiny_models):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
     with pytest.raises(ValueError, match='"self" quantizes to int8, int4 or int4-gptq, got \'int3\''):
         LLM(target, speculative_config={"method": "self", "quantization": "int3"})
+
+
+def test_int4_gptq_fits_once_and_keeps_the_blocks(tiny_models, tmp_path, monkeypatch):
+    """The fitted blocks are kept in the cache and read by the next load (no calibration then); a checkpoint
+    changed since is fitted again."""
+    import os
+    import shutil
+
+    from tokenmill.model import calibrate
+
+    folder = str(tmp_path / "llama")
+    shutil.copytree(tiny_models["llama"], folder)
+    where = calibrate.cache_file
+    monkeypatch.setattr(calibrate, "cache_file", lambda *a: str(tmp_path / "kept" / os.path.basename(where(*a))))
+
+    def blocks(llm):
+        return [p.data for m in llm.engine.model.modules() for p in getattr(m, "qparts", ())]
+
+    first = blocks(LLM(folder, dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB"))
+    assert len(os.listdir(tmp_path / "kept")) == 1
+    fits = []
+    fit = calibrate.gptq_int4
+    monkeypatch.setattr(calibrate, "gptq_int4", lambda *a: fits.append(1) or fit(*a))
+    again = blocks(LLM(folder, dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB"))
+    assert fits == [] and len(again) == len(first) and all(torch.equal(a, b) for a, b in zip(again, first))
+    weights = os.path.join(folder, "model.safetensors")
+    st = os.stat(weights)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    LLM(folder, dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB")
+    assert fits == [1] and len(os.listdir(tmp_path / "kept")) == 2

@@ -1,6 +1,10 @@
 """Calibrated 4-bit weights (quantization "int4-gptq"): each linear layer's Q4_1 blocks chosen by GPTQ
 (kernels/quant.py, `gptq_q4_1`) against the inputs that layer sees on a calibration text.
 
+The blocks are kept in the model cache (`fitted_int4`), keyed by the checkpoint files (names, sizes,
+modification times), the dtype and the calibration's settings: a model is fitted once (minutes for 1B
+parameters on 2 cores), and later loads read the blocks.
+
 The float model runs the calibration windows one decoder layer at a time: a first pass of a layer sums
 x x^T of each linear layer's inputs (its Hessian), the layer's weights are then quantized against it,
 and a second pass through the now-quantized layer gives the next layer its inputs, so that each layer is
@@ -10,7 +14,9 @@ does); routers stay float."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 
 import torch
@@ -27,6 +33,7 @@ TOKENS = 8192  # calibration tokens in all
 GROUP_TOKENS = 2048  # tokens one forward pass of a layer takes at a time
 BLOCK_SIZE = 16
 Q4_1 = 3  # GGML type id
+VERSION = "gptq-q4_1-1"  # of the fit: a change to what it computes takes a new name (the cache's key)
 
 
 def calibration_windows(tokenizer, tokens: int = TOKENS, window: int = WINDOW) -> list[list[int]]:
@@ -40,6 +47,45 @@ def calibration_windows(tokenizer, tokens: int = TOKENS, window: int = WINDOW) -
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None and probe and probe[0] == tokenizer.bos_token_id \
         else None
     return [w for w, _ in windows(ids, window, window, bos)[:max(1, tokens // window)]]
+
+
+def cache_file(path: str, dtype: torch.dtype, window: int) -> str:
+    """Where the fitted blocks of the checkpoint at path (a .gguf file or a model folder) are kept."""
+    from tokenmill.model.hub import cache_dir
+
+    key = hashlib.sha256(f"{VERSION} {TOKENS} {window} {dtype} {os.path.realpath(path)}".encode())
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path))
+    for f in files:
+        if os.path.isfile(f):
+            st = os.stat(f)
+            key.update(f"|{os.path.basename(f)} {st.st_size} {st.st_mtime_ns}".encode())
+    return os.path.join(cache_dir(), "calibrated", key.hexdigest()[:32] + ".pt")
+
+
+def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float) -> dict[str, torch.Tensor]:
+    """gptq_int4's blocks for the checkpoint at path: from the cache, or fitted on load_float()'s model
+    (a LoadedModel at quantization "none") and then kept there."""
+    file = cache_file(path, dtype, window)
+    if os.path.exists(file):
+        try:
+            fitted = torch.load(file, weights_only=True)
+            logger.info("int4-gptq: fitted blocks of %d matrices from %s", len(fitted), file)
+            return fitted
+        except Exception as e:  # a truncated or foreign file: fit again, and replace it
+            logger.warning("int4-gptq: %s could not be read (%s): fitting again", file, e)
+    logger.info("int4-gptq: the float model first, to fit each layer's 4-bit weights to its inputs")
+    reference = load_float()
+    fitted = gptq_int4(reference.model, calibration_windows(reference.tokenizer, window=window))
+    del reference
+    try:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        torch.save(fitted, file + ".tmp")
+        os.replace(file + ".tmp", file)
+        logger.info("int4-gptq: fitted blocks kept in %s (%.1f MiB)", file,
+                    sum(b.numel() for b in fitted.values()) / 2**20)
+    except OSError as e:
+        logger.warning("int4-gptq: could not keep the fitted blocks in %s (%s)", file, e)
+    return fitted
 
 
 def _calibrated(module: nn.Module) -> bool:
@@ -83,14 +129,16 @@ def gptq_int4(model: nn.Module, windows: list[list[int]]) -> dict[str, torch.Ten
         kv = tuple(kv_format.new_cache("auto", slots, cfg.num_kv_heads, cfg.head_dim, dtype, new) for _ in range(2))
         return ropes, meta, kv
 
-    shapes = {}
+    by_count: dict[int, tuple] = {}
+
     def run(layer, x):
+        """The layer's outputs for every window, `per` windows a pass."""
         out = torch.empty_like(x)
         for s in range(0, len(windows), per):
             count = min(per, len(windows) - s)
-            if count not in shapes:
-                shapes[count] = group_inputs(count)
-            ropes, meta, kv = shapes[count]
+            if count not in by_count:
+                by_count[count] = group_inputs(count)
+            ropes, meta, kv = by_count[count]
             meta.cache.clear()
             rows = slice(s * length, (s + count) * length)
             out[rows] = layer(x[rows], ropes, kv, meta)
@@ -120,6 +168,6 @@ def gptq_int4(model: nn.Module, windows: list[list[int]]) -> dict[str, torch.Ten
             m.weight.copy_(quant.QuantizedWeight.from_blocks(Q4_1, tuple(m.weight.shape), blocks, full).dequantize())
         del hessians
         x = run(layer, x)
-    logger.info("fitted %d layers' 4-bit weights to %d calibration tokens (GPTQ) in %.1f s", len(fitted),
+    logger.info("fitted %d matrices' 4-bit weights to %d calibration tokens (GPTQ) in %.1f s", len(fitted),
                 len(windows) * length, time.perf_counter() - start)
     return fitted

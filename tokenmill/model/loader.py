@@ -110,12 +110,10 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
                              "tensor parallelism")
         from tokenmill.model import calibrate
 
-        logger.info("int4-gptq: the float model first, to fit each layer's 4-bit weights to its inputs")
-        reference = load_model(name, dtype, device, backend, max_positions, "none")
-        fitted = calibrate.gptq_int4(reference.model, calibrate.calibration_windows(
-            reference.tokenizer, window=min(calibrate.WINDOW, max_positions or calibrate.WINDOW,
-                                            hf_config.get("max_position_embeddings") or calibrate.WINDOW)))
-        del reference
+        window = min(calibrate.WINDOW, max_positions or calibrate.WINDOW,
+                     hf_config.get("max_position_embeddings") or calibrate.WINDOW)
+        fitted = calibrate.fitted_int4(path, dtype, window,
+                                       lambda: load_model(name, dtype, device, backend, max_positions, "none"))
     if device.type == "cpu":
         cpu_kernels.load()  # compiled once per machine, cached by torch
     cls = model_class(hf_config)
