@@ -169,3 +169,15 @@ def test_int4_gptq_fits_once_and_keeps_the_blocks(tiny_models, tmp_path, monkeyp
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     LLM(folder, dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB")
     assert fits == [1] and len(os.listdir(tmp_path / "kept")) == 2
+
+
+def test_int4_gptq_fits_again_over_an_unreadable_cache_file(tiny_models, tmp_path, monkeypatch, caplog):
+    from tokenmill.model import calibrate
+
+    kept = tmp_path / "kept.pt"
+    monkeypatch.setattr(calibrate, "cache_file", lambda *a: str(kept))
+    kept.write_bytes(b"not a torch file")
+    llm = LLM(tiny_models["llama"], dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB")
+    assert "could not be read" in caplog.text
+    assert llm.engine.model.layers[0].self_attn.qkv_proj.qweight.name == "Q4_1"
+    assert isinstance(torch.load(kept, weights_only=True), dict)  # replaced by the fitted blocks

@@ -69,6 +69,9 @@ def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float) -> dict[
     if os.path.exists(file):
         try:
             fitted = torch.load(file, weights_only=True)
+            if not isinstance(fitted, dict) or not all(isinstance(b, torch.Tensor) and b.dtype == torch.uint8
+                                                       for b in fitted.values()):
+                raise ValueError("not a dict of block tensors")
             logger.info("int4-gptq: fitted blocks of %d matrices from %s", len(fitted), file)
             return fitted
         except Exception as e:  # a truncated or foreign file: fit again, and replace it
