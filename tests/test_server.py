@@ -307,8 +307,10 @@ def _send_raw(port: int, path: str, body: dict, headers: bytes = b"") -> socket.
     return sock
 
 
-def test_limits_sequences_and_chunked_bodies(tiny_models):
-    srv = ServerProcess(tiny_models["llama"], "--dtype", "float32", "--max-queued-requests", "8",
+def test_limits_sequences_and_chunked_bodies(default_gguf):
+    # The real model: the seat's holder below must outlast a burst of 24 connections, and the tiny models
+    # decode their whole context (512 tokens) in about half a second (a burst on a loaded machine took longer).
+    srv = ServerProcess(default_gguf, "--max-queued-requests", "8",
                         "--max-num-seqs", "1", "--max-body-bytes", "100000", "--body-read-timeout", "1")
     try:
         url = srv.url + "/v1/completions"
@@ -329,7 +331,7 @@ def test_limits_sequences_and_chunked_bodies(tiny_models):
         assert srv.metrics()["tokenmill:requests_rejected_total"] == 1
 
         # A burst of simultaneous requests while the seat is taken: exactly the queue's 8 are admitted.
-        with httpx.stream("POST", url, json={"prompt": "a", "max_tokens": 400, "ignore_eos": True, "stream": True},
+        with httpx.stream("POST", url, json={"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True},
                           timeout=60) as running:
             lines = running.iter_lines()
             next(lines)
