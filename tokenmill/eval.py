@@ -44,14 +44,20 @@ def windows(tokens: list[int], ctx: int, stride: int, bos: int | None) -> list[t
     return out
 
 
+def sequence_bos(tokenizer) -> int | None:
+    """The tokenizer's BOS id where it starts sequences with it, else None."""
+    probe = tokenizer.encode("a")
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and probe and probe[0] == bos else None
+
+
 def perplexity(llm, text: str, ctx: int = 512, stride: int | None = None, max_windows: int | None = None,
                progress: bool = True) -> PerplexityResult:
     from tokenmill import SamplingParams
 
     tok = llm.get_tokenizer()
     ids = tok.encode(text, add_special_tokens=False)
-    probe = tok.encode("a")
-    bos = tok.bos_token_id if tok.bos_token_id is not None and probe and probe[0] == tok.bos_token_id else None
+    bos = sequence_bos(tok)
     stride = ctx if stride is None else stride
     wins = windows(ids, ctx, stride, bos)[:max_windows]
     outs = llm.generate([w for w, _ in wins], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),

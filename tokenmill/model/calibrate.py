@@ -40,13 +40,10 @@ def calibration_windows(tokenizer, tokens: int = TOKENS, window: int = WINDOW) -
     """Windows of `window` tokens of the built-in calibration text (tokenmill.data.calibration_text, never
     the evaluation text), each opening with BOS where the tokenizer starts sequences with it."""
     from tokenmill.data import calibration_text
-    from tokenmill.eval import windows
+    from tokenmill.eval import sequence_bos, windows
 
     ids = tokenizer.encode(calibration_text(), add_special_tokens=False)
-    probe = tokenizer.encode("a")
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None and probe and probe[0] == tokenizer.bos_token_id \
-        else None
-    return [w for w, _ in windows(ids, window, window, bos)[:max(1, tokens // window)]]
+    return [w for w, _ in windows(ids, window, window, sequence_bos(tokenizer))[:max(1, tokens // window)]]
 
 
 def cache_file(path: str, dtype: torch.dtype, window: int) -> str:
@@ -92,11 +89,9 @@ def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float) -> dict[
 
 
 def _calibrated(module: nn.Module) -> bool:
-    from tokenmill.model.layers import Embedding, _QuantizableLinear
+    from tokenmill.model.layers import Embedding, takes_blocks
 
-    return (isinstance(module, _QuantizableLinear) and not isinstance(module, Embedding)
-            and getattr(module, "weight", None) is not None and module.in_features % 32 == 0
-            and not getattr(module, "keep_float", False))
+    return takes_blocks(module) and not isinstance(module, Embedding) and getattr(module, "weight", None) is not None
 
 
 @torch.inference_mode()

@@ -140,6 +140,13 @@ class Linear(_QuantizableLinear):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
 
+def takes_blocks(module: nn.Module) -> bool:
+    """Whether quantization at load (int8 / int4) gives this module 32-element blocks: a linear layer or
+    embedding whose rows divide into groups of 32, unless it must stay float (a router's keep_float)."""
+    return (isinstance(module, _QuantizableLinear) and module.in_features % 32 == 0
+            and not getattr(module, "keep_float", False))
+
+
 class Embedding(_QuantizableLinear):
     """Token embedding: a [vocab, hidden] table, float or quantized (the looked-up rows are then
     dequantized), which serves as the output layer where the two are tied."""

@@ -183,7 +183,7 @@ def quantize_on_load(model: nn.Module, weights, quantization: str, fitted: dict 
     groups of 32 stay float, as do mixture-of-experts routers (keep_float: their top-k choice is discrete).
     fitted: blocks already chosen for some layers (calibrate.py), by module name; their checkpoint
     tensors are replaced by them."""
-    from tokenmill.model.layers import Embedding, _QuantizableLinear
+    from tokenmill.model.layers import Embedding, takes_blocks
     from tokenmill.model.moe import Experts
 
     linear_type, edge_type = quant.QUANTIZE_TO[quantization]
@@ -192,8 +192,7 @@ def quantize_on_load(model: nn.Module, weights, quantization: str, fitted: dict 
                          "built here (a C++ compiler is required)")
     targets = {}
     for name, module in model.named_modules():
-        if isinstance(module, _QuantizableLinear) and module.in_features % 32 == 0 \
-                and not getattr(module, "keep_float", False):
+        if takes_blocks(module):
             if fitted is not None and name in fitted:
                 targets[name] = _fitted_blocks(model, module, fitted[name], linear_type)
             else:
