@@ -293,11 +293,15 @@ def test_a_streaming_server_keeps_its_team_and_reports_a_taken_core(default_gguf
 
 
 @pytest.mark.skipif(cpu_kernels.usable_cpus() < 2, reason="needs two usable CPUs")
-def test_steps_on_one_thread_give_the_teams_numbers(tiny_models):
+@pytest.mark.parametrize("quantization,length", [("none", 300), ("none", 5), ("int4", 5)])
+def test_steps_on_one_thread_give_the_teams_numbers(tiny_models, quantization, length):
     """Prompt steps (the module path) and decode steps held on one thread by the governor compute what the
-    team computes, bit for bit."""
-    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
-    prompt = [3 + i % 300 for i in range(300)]
+    team computes, bit for bit: for a short prompt too, whose few rows go through torch's float32 GEMM
+    (MKL's, whose last bits follow the thread count unless its reproducible mode is on), as plain float or
+    dequantized weights."""
+    llm = LLM(tiny_models["llama"], dtype="float32", quantization=quantization, kv_cache_memory="8MiB",
+              enable_prefix_caching=False)
+    prompt = [3 + i % 300 for i in range(length)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     governor = llm.engine.runner.governor
     governor.run_delay = lambda: {}  # never sees contention: the hold is set by hand
