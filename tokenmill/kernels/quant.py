@@ -20,8 +20,9 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_lowbit.h", "quant_product.h", "quant_amx.h",
-                                                  "quant_tiles.h", "quant_pairs.h", "simd.h")]
+_SOURCES = [os.path.join(_DIR, name) for name in ("quant_kernels.cpp", "quant.h", "quant_fit.h", "quant_lowbit.h",
+                                                  "quant_product.h", "quant_amx.h", "quant_tiles.h", "quant_pairs.h",
+                                                  "simd.h")]
 
 # GGML type id -> (name, elements per block, bytes per block), for the types with a kernel.
 FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
@@ -266,11 +267,6 @@ class QuantizedWeight:
 QUANTIZE_TO = {"int8": (8, 8), "int4": (3, 8), "int4-gptq": (3, 8)}
 
 
-def _minmax_affine(g: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    return ((hi - lo) / top).half(), lo.half()
-
-
 def _affine_codes(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor, top: int) -> torch.Tensor:
     """g's codes (float) on the grid d q + m, q in 0..top, rounded to nearest (all 0 where d is 0)."""
     df = d.float()
@@ -285,42 +281,12 @@ def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4, importance: torc
     and refitting d and m by least squares. The range's own grid is kept where nothing beats it (weights
     that already lie on such a grid keep it exactly). importance [n] (positive): each element's weight in
     the squared error (by default all 1). search: also start from the codes of `search` grids over the
-    range with from top - 1 to top + 1 steps, each refitted, and go on from the best."""
-    c = torch.ones(g.shape[-1]) if importance is None else importance.float()
-    n = c.sum()
-    cg = c * g
-    sw = cg.sum(-1, keepdim=True)
-
-    def error(d, m):
-        q = _affine_codes(g, d, m, top)
-        return (c * (q * d.float() + m.float() - g) ** 2).sum(-1, keepdim=True), q
-
-    def refit(q, fallback):
-        sq = (c * q).sum(-1, keepdim=True)
-        sqq, sqw = (c * q * q).sum(-1, keepdim=True), (q * cg).sum(-1, keepdim=True)
-        den = n * sqq - sq * sq
-        d = torch.where(den > 0, (n * sqw - sq * sw) / den.clamp(min=1e-30), fallback.float()).clamp(min=0)
-        return d.half(), ((sw - d * sq) / n).half()
-
-    best_d, best_m = _minmax_affine(g, top)
-    best, q = error(best_d, best_m)
-    if search:
-        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        span = (hi - lo).clamp(min=1e-30)
-        best_q = q
-        for steps in torch.linspace(top - 1, top + 1, search).tolist():
-            d, m = refit(((g - lo) * (steps / span)).round().clamp(0, top), best_d)
-            err, q = error(d, m)
-            better = err < best
-            best_d, best_m, best = torch.where(better, d, best_d), torch.where(better, m, best_m), torch.minimum(err, best)
-            best_q = torch.where(better, q, best_q)
-        q = best_q
-    for _ in range(iterations):
-        d, m = refit(q, best_d)
-        err, q = error(d, m)
-        better = err < best
-        best_d, best_m, best = torch.where(better, d, best_d), torch.where(better, m, best_m), torch.minimum(err, best)
-    return best_d, best_m
+    range with from top - 1 to top + 1 steps, each refitted, and go on from the best (quant_fit.h)."""
+    n = g.shape[-1]
+    steps = torch.linspace(top - 1, top + 1, search) if search else torch.empty(0)
+    weights = torch.empty(0) if importance is None else importance.reshape(n)
+    d, m = _module.fit_affine(g.reshape(-1, n), top, iterations, weights, steps)
+    return d.view(*g.shape[:-1], 1), m.view(*g.shape[:-1], 1)
 
 
 def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int | None = None) -> QuantizedWeight:
@@ -337,9 +303,7 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int |
         q = (g * inv).round().clamp(-127, 127).to(torch.int8)
         blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
     elif qtype == 3:
-        # (by rows: the fit's temporaries are a few times the rows' float32 size; an expert stack is large)
-        fits = [_fit_affine(part, 15) for part in g.split(4096)]
-        d, m = torch.cat([f[0] for f in fits]), torch.cat([f[1] for f in fits])
+        d, m = _fit_affine(g, 15)
         blocks = _q4_1_blocks(d, m, _affine_codes(g, d, m, 15))
     else:
         raise ValueError(f"quantizing to {type_name(qtype)} is not supported (Q8_0 and Q4_1 are)")
