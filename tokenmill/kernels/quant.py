@@ -275,18 +275,19 @@ def _affine_codes(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor, top: int) -
 
 
 def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4, importance: torch.Tensor | None = None,
-                search: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                search: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale d and offset m (float16, as stored) of each group of g [..., n] on the grid w ~ d q + m,
     q in 0..top, with the least squared error found: from the group's range, then alternately rounding q
     and refitting d and m by least squares. The range's own grid is kept where nothing beats it (weights
     that already lie on such a grid keep it exactly). importance [n] (positive): each element's weight in
     the squared error (by default all 1). search: also start from the codes of `search` grids over the
-    range with from top - 1 to top + 1 steps, each refitted, and go on from the best (quant_fit.h)."""
+    range with from top - 1 to top + 1 steps, each refitted, and go on from the best (quant_fit.h). Also
+    returns the codes of g on the grids found (uint8, g's shape), as `_affine_codes` gives them."""
     n = g.shape[-1]
     steps = torch.linspace(top - 1, top + 1, search) if search else torch.empty(0)
     weights = torch.empty(0) if importance is None else importance.reshape(n)
-    d, m = _module.fit_affine(g.reshape(-1, n), top, iterations, weights, steps)
-    return d.view(*g.shape[:-1], 1), m.view(*g.shape[:-1], 1)
+    d, m, codes = _module.fit_affine(g.reshape(-1, n), top, iterations, weights, steps)
+    return d.view(*g.shape[:-1], 1), m.view(*g.shape[:-1], 1), codes.view(g.shape)
 
 
 def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int | None = None) -> QuantizedWeight:
@@ -303,8 +304,7 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int |
         q = (g * inv).round().clamp(-127, 127).to(torch.int8)
         blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
     elif qtype == 3:
-        d, m = _fit_affine(g, 15)
-        blocks = _q4_1_blocks(d, m, _affine_codes(g, d, m, 15))
+        blocks = _q4_1_blocks(*_fit_affine(g, 15))
     else:
         raise ValueError(f"quantizing to {type_name(qtype)} is not supported (Q8_0 and Q4_1 are)")
     return QuantizedWeight.from_blocks(qtype, (n, k), blocks.reshape(n, -1).contiguous(), name, tile_rows=tile_rows)
@@ -358,7 +358,7 @@ def gptq_q4_1(w: torch.Tensor, hessian: torch.Tensor, name: str = "weight", damp
         for j in range(i2 - i1):
             c = i1 + j
             if c % 32 == 0:
-                gd, gm = _fit_affine(W1[:, j:j + 32], 15, importance=importance[c:c + 32], search=11)
+                gd, gm, _ = _fit_affine(W1[:, j:j + 32], 15, importance=importance[c:c + 32], search=11)
                 d[:, c // 32], m[:, c // 32] = gd, gm
                 df, mf = gd.float()[:, 0], gm.float()[:, 0]
             col = W1[:, j]

@@ -11,97 +11,132 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 
 namespace tmq {
 
 inline float half_rounded(float v) { return static_cast<float>(c10::Half(v)); }
 
-inline float round_even(float v) {
-#if defined(__GNUC__)
-  return __builtin_roundevenf(v);  // (vectorizes; std::nearbyint reads the rounding mode)
-#else
-  return std::nearbyint(v);
-#endif
+// A code: v rounded to nearest (ties to even), clamped to 0..top. By adding and taking away 1.5 * 2^23 (the
+// sum's float has no bits below 1, so the addition rounds), on v clamped first to -1..top + 1: one
+// vectorized add and subtract, where a rounding call would not vectorize.
+inline float code_of(float v, float top) {
+  constexpr float kMagic = 12582912.0f;
+  const float r = (std::clamp(v, -1.0f, top + 1.0f) + kMagic) - kMagic;
+  return std::clamp(r, 0.0f, top);
 }
 
-// One group of n weights g (importance c: each weight's share of the squared error; cn their sum): its d
-// and m (float16 values). steps: the starting grids' step counts over the group's range (search of them).
+// kLanes groups of n weights at once, one group to a vector lane (every loop below runs over the lanes, so
+// the compiler vectorizes it, and no sum is taken across a vector): each group's d and m, float16 values.
+// g: the groups' weights, group after group; c: each weight's share of the squared error (the same for all
+// groups), cn their sum; steps: the step counts of the `search` starting grids over each group's range.
 class AffineFit {
  public:
-  static constexpr int kMaxGroup = 256;
+  static constexpr int kMaxGroup = 256, kLanes = 16;
 
-  AffineFit(const float* g, const float* c, float cn, int n, int top) : g_(g), c_(c), cn_(cn), n_(n), top_(top) {
-    sw_ = 0;
-    for (int j = 0; j < n; ++j) sw_ += c[j] * g[j];
+  AffineFit(const float* g, int groups, const float* c, float cn, int n, int top)
+      : c_(c), cn_(cn), n_(n), top_((float)top) {
+    for (int j = 0; j < n; ++j)
+      for (int l = 0; l < kLanes; ++l) g_[j][l] = g[std::min(l, groups - 1) * n + j];  // (spare lanes repeat one)
+    for (int l = 0; l < kLanes; ++l) sw_[l] = 0;
+    for (int j = 0; j < n; ++j)
+      for (int l = 0; l < kLanes; ++l) sw_[l] += c[j] * g_[j][l];
   }
 
-  void fit(int iterations, const float* steps, int search, float& d_out, float& m_out) {
-    float lo = g_[0], hi = g_[0];
-    for (int j = 1; j < n_; ++j) lo = std::min(lo, g_[j]), hi = std::max(hi, g_[j]);
-    float best_d = half_rounded((hi - lo) / top_), best_m = half_rounded(lo);
-    float q[kMaxGroup], trial[kMaxGroup];
-    float best = error(best_d, best_m, q);
-    if (search) {
-      const float span = std::max(hi - lo, 1e-30f);
-      for (int s = 0; s < search; ++s) {
-        const float r = steps[s] / span;
-        for (int j = 0; j < n_; ++j) trial[j] = std::clamp(round_even((g_[j] - lo) * r), 0.0f, (float)top_);
-        float d, m;
-        refit(trial, best_d, d, m);
-        const float err = error(d, m, trial);
-        if (err < best) {
-          best = err, best_d = d, best_m = m;
-          std::copy(trial, trial + n_, q);
-        }
-      }
+  // The best grid found into d_out, m_out [kLanes]; its codes into codes (group after group, n each) for the
+  // lanes up to `groups`.
+  void fit(int iterations, const float* steps, int search, float* d_out, float* m_out, uint8_t* codes, int groups) {
+    Lanes lo, hi, best_d, best_m, best, d, m, err;
+    for (int l = 0; l < kLanes; ++l) lo[l] = hi[l] = g_[0][l];
+    for (int j = 1; j < n_; ++j)
+      for (int l = 0; l < kLanes; ++l) lo[l] = std::min(lo[l], g_[j][l]), hi[l] = std::max(hi[l], g_[j][l]);
+    for (int l = 0; l < kLanes; ++l) best_d[l] = half_rounded((hi[l] - lo[l]) / top_), best_m[l] = half_rounded(lo[l]);
+    error(best_d, best_m, q_, best);
+    for (int s = 0; s < search; ++s) {
+      Lanes r;
+      for (int l = 0; l < kLanes; ++l) r[l] = steps[s] / std::max(hi[l] - lo[l], 1e-30f);
+      for (int j = 0; j < n_; ++j)
+        for (int l = 0; l < kLanes; ++l) trial_[j][l] = code_of((g_[j][l] - lo[l]) * r[l], top_);
+      refit(trial_, best_d, d, m);
+      error(d, m, trial_, err);
+      for (int j = 0; j < n_; ++j)
+        for (int l = 0; l < kLanes; ++l) q_[j][l] = err[l] < best[l] ? trial_[j][l] : q_[j][l];
+      keep_better(d, m, err, best_d, best_m, best);
     }
     for (int i = 0; i < iterations; ++i) {
-      float d, m;
-      refit(q, best_d, d, m);
-      const float err = error(d, m, q);
-      if (err < best) best = err, best_d = d, best_m = m;
+      refit(q_, best_d, d, m);
+      error(d, m, q_, err);
+      keep_better(d, m, err, best_d, best_m, best);
     }
-    d_out = best_d, m_out = best_m;
+    for (int l = 0; l < kLanes; ++l) d_out[l] = best_d[l], m_out[l] = best_m[l];
+    error(best_d, best_m, q_, err);
+    for (int l = 0; l < groups; ++l)
+      for (int j = 0; j < n_; ++j) codes[l * n_ + j] = (uint8_t)q_[j][l];
   }
 
  private:
-  // The weighted squared error of the grid (d, m), its codes (rounded to nearest, all 0 where d is 0) into q.
-  float error(float d, float m, float* q) const {
-    const float inv = d > 0 ? 1.0f / d : 0.0f;
-    float e = 0;
-    for (int j = 0; j < n_; ++j) {
-      q[j] = std::clamp(round_even((g_[j] - m) * inv), 0.0f, (float)top_);
-      const float r = q[j] * d + m - g_[j];
-      e += c_[j] * (r * r);
+  using Lanes = float[kLanes];
+  using Codes = float[kMaxGroup][kLanes];
+
+  static void keep_better(const Lanes d, const Lanes m, const Lanes err, Lanes best_d, Lanes best_m, Lanes best) {
+    for (int l = 0; l < kLanes; ++l) {
+      const bool better = err[l] < best[l];
+      best_d[l] = better ? d[l] : best_d[l], best_m[l] = better ? m[l] : best_m[l], best[l] = better ? err[l] : best[l];
     }
-    return e;
   }
 
-  // d and m by weighted least squares for codes q (d: fallback where the codes are all equal; at least 0).
-  void refit(const float* q, float fallback, float& d, float& m) const {
-    float sq = 0, sqq = 0, sqw = 0;
-    for (int j = 0; j < n_; ++j) {
-      const float cq = c_[j] * q[j];
-      sq += cq, sqq += cq * q[j], sqw += cq * g_[j];
-    }
-    const float den = cn_ * sqq - sq * sq;
-    const float df = std::max(den > 0 ? (cn_ * sqw - sq * sw_) / std::max(den, 1e-30f) : fallback, 0.0f);
-    d = half_rounded(df), m = half_rounded((sw_ - df * sq) / cn_);
+  // Each lane's weighted squared error on its grid (d, m), and its codes (rounded to nearest; all 0 where d
+  // is 0) into q.
+  void error(const Lanes d, const Lanes m, Codes q, Lanes e) const {
+    Lanes inv;
+    for (int l = 0; l < kLanes; ++l) inv[l] = d[l] > 0 ? 1.0f / d[l] : 0.0f, e[l] = 0;
+    for (int j = 0; j < n_; ++j)
+      for (int l = 0; l < kLanes; ++l) {
+        q[j][l] = code_of((g_[j][l] - m[l]) * inv[l], top_);
+        const float r = q[j][l] * d[l] + m[l] - g_[j][l];
+        e[l] += c_[j] * (r * r);
+      }
   }
 
-  const float* g_;
+  // d and m by weighted least squares for codes q (d: fallback where a lane's codes are all equal; at least 0).
+  void refit(const Codes q, const Lanes fallback, Lanes d, Lanes m) const {
+    Lanes sq, sqq, sqw;
+    for (int l = 0; l < kLanes; ++l) sq[l] = sqq[l] = sqw[l] = 0;
+    for (int j = 0; j < n_; ++j)
+      for (int l = 0; l < kLanes; ++l) {
+        const float cq = c_[j] * q[j][l];
+        sq[l] += cq, sqq[l] += cq * q[j][l], sqw[l] += cq * g_[j][l];
+      }
+    for (int l = 0; l < kLanes; ++l) {
+      const float den = cn_ * sqq[l] - sq[l] * sq[l];
+      const float df = std::max(den > 0 ? (cn_ * sqw[l] - sq[l] * sw_[l]) / std::max(den, 1e-30f) : fallback[l], 0.0f);
+      d[l] = half_rounded(df), m[l] = half_rounded((sw_[l] - df * sq[l]) / cn_);
+    }
+  }
+
+  alignas(64) Codes g_, q_, trial_;
+  alignas(64) Lanes sw_;
   const float* c_;
-  float cn_, sw_;
-  int n_, top_;
+  float cn_;
+  int n_;
+  float top_;
 };
 
-// Groups g [G, n] (float32, contiguous) -> d, m [G] (float16 values, as float) on torch's threads.
+// Groups g [G, n] (float32, contiguous) -> d, m [G] (float16 values, as float) and codes [G, n], on torch's
+// threads.
 inline void fit_affine_groups(const float* g, int64_t groups, int n, int top, int iterations, const float* c,
-                              const float* steps, int search, float* d, float* m) {
+                              const float* steps, int search, float* d, float* m, uint8_t* codes) {
   float cn = 0;
   for (int j = 0; j < n; ++j) cn += c[j];
-  at::parallel_for(0, groups, 256, [&](int64_t g0, int64_t g1) {
-    for (int64_t i = g0; i < g1; ++i) AffineFit(g + i * n, c, cn, n, top).fit(iterations, steps, search, d[i], m[i]);
+  const int64_t blocks = (groups + AffineFit::kLanes - 1) / AffineFit::kLanes;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t first = b * AffineFit::kLanes, count = std::min<int64_t>(AffineFit::kLanes, groups - first);
+      float bd[AffineFit::kLanes], bm[AffineFit::kLanes];
+      auto fit = std::make_unique<AffineFit>(g + first * n, (int)count, c, cn, n, top);
+      fit->fit(iterations, steps, search, bd, bm, codes + first * n, (int)count);
+      std::copy(bd, bd + count, d + first), std::copy(bm, bm + count, m + first);
+    }
   });
 }
 

@@ -95,25 +95,27 @@ torch::Tensor repack(const torch::Tensor& blocks, int64_t type, int64_t K, std::
   return out;
 }
 
-// Groups g [G, n] float32 -> (d, m) [G] float16: each group's affine grid (quant_fit.h). importance [n] and
-// steps [search] float32 (importance empty: all 1).
-std::tuple<torch::Tensor, torch::Tensor> fit_affine(const torch::Tensor& g_in, int64_t top, int64_t iterations,
+// Groups g [G, n] float32 -> (d, m) [G] float16 and codes [G, n] uint8: each group's affine grid and its
+// weights' codes on it (quant_fit.h). importance [n] and steps [search] float32 (importance empty: all 1).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fit_affine(const torch::Tensor& g_in, int64_t top, int64_t iterations,
                                                     const torch::Tensor& importance, const torch::Tensor& steps_in) {
   TORCH_CHECK(g_in.dim() == 2 && g_in.size(1) > 0 && g_in.size(1) <= tmq::AffineFit::kMaxGroup,
               "groups must be [G, n] with n in 1..", tmq::AffineFit::kMaxGroup);
-  TORCH_CHECK(top > 0, "the grid needs at least two levels");
+  TORCH_CHECK(top > 0 && top < 256, "a grid of 2 to 256 levels, not ", top + 1);
   const int n = (int)g_in.size(1);
   const torch::Tensor g = g_in.to(torch::kFloat32).contiguous();
   const torch::Tensor c = importance.numel() ? importance.to(torch::kFloat32).contiguous() : torch::ones({n});
   TORCH_CHECK(c.numel() == n, "importance has ", c.numel(), " elements for groups of ", n);
   const torch::Tensor steps = steps_in.to(torch::kFloat32).contiguous();
   torch::Tensor d = torch::empty({g.size(0)}), m = torch::empty({g.size(0)});
+  torch::Tensor codes = torch::empty({g.size(0), n}, torch::kUInt8);
   {
     py::gil_scoped_release release;
     tmq::fit_affine_groups(g.data_ptr<float>(), g.size(0), n, (int)top, (int)iterations, c.data_ptr<float>(),
-                           steps.data_ptr<float>(), (int)steps.numel(), d.data_ptr<float>(), m.data_ptr<float>());
+                           steps.data_ptr<float>(), (int)steps.numel(), d.data_ptr<float>(), m.data_ptr<float>(),
+                           codes.data_ptr<uint8_t>());
   }
-  return {d.to(torch::kFloat16), m.to(torch::kFloat16)};
+  return {d.to(torch::kFloat16), m.to(torch::kFloat16), codes};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -122,7 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &repack, "GGUF blocks into the kernel's layout of the same bytes", py::arg("blocks"),
         py::arg("type"), py::arg("K"), py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "rows of a block-quantized matrix as float32");
-  m.def("fit_affine", &fit_affine, "each group's affine grid d q + m, q in 0..top (float16 d and m)", py::arg("groups"),
+  m.def("fit_affine", &fit_affine, "each group's affine grid d q + m, q in 0..top (float16 d and m), and its codes", py::arg("groups"),
         py::arg("top"), py::arg("iterations"), py::arg("importance"), py::arg("steps"));
   m.attr("tiled") = tmq::kTiled;  // the flag of a type id whose matrix has rows interleaved by 16
   m.def("float_rows", [](bool bf16) { return tmq::float_rows_for(bf16); }, py::arg("bfloat16") = false,
