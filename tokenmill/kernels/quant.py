@@ -292,8 +292,8 @@ def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4, importance: torc
 
 def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int | None = None) -> QuantizedWeight:
     """A float matrix [N, K] quantized in groups of 32 along K: Q8_0 (int8, w = d q with d = max|w| / 127,
-    rounded to nearest) or Q4_1 (int4, w = d q + m, d and m fitted to the group by least squares,
-    `_fit_affine`)."""
+    rounded to nearest) or Q4_1 (int4, w = d q + m, d and m fitted to the group by least squares from the
+    best of 11 starting grids, `_fit_affine`)."""
     n, k = w.shape
     if k % 32:
         raise ValueError(f"{name}: rows of {k} elements do not divide into groups of 32")
@@ -304,7 +304,7 @@ def quantize(w: torch.Tensor, qtype: int, name: str = "weight", tile_rows: int |
         q = (g * inv).round().clamp(-127, 127).to(torch.int8)
         blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
     elif qtype == 3:
-        blocks = _q4_1_blocks(*_fit_affine(g, 15))
+        blocks = _q4_1_blocks(*_fit_affine(g, 15, search=11))
     else:
         raise ValueError(f"quantizing to {type_name(qtype)} is not supported (Q8_0 and Q4_1 are)")
     return QuantizedWeight.from_blocks(qtype, (n, k), blocks.reshape(n, -1).contiguous(), name, tile_rows=tile_rows)
