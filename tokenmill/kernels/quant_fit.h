@@ -8,9 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <memory>
 
 namespace tmq {
