@@ -1,5 +1,7 @@
 """quantization="int4-gptq": Q4_1 blocks fitted by GPTQ to each layer's calibration inputs."""
 
+import os
+
 import pytest
 import torch
 
@@ -7,6 +9,16 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import quant
 
 pytestmark = pytest.mark.skipif(quant.load() is None, reason="the quantized-weight kernels could not be built here")
+
+
+@pytest.fixture(autouse=True)
+def _fits_kept_in_tmp(tmp_path, monkeypatch):
+    """The tiny models' fits go to the test's own folder, not the user's model cache (where each run's fresh
+    model folders would leave files no later load reads)."""
+    from tokenmill.model import calibrate
+
+    where = calibrate.cache_file
+    monkeypatch.setattr(calibrate, "cache_file", lambda *a: str(tmp_path / "calibrated" / os.path.basename(where(*a))))
 
 
 def _inputs(k: int, gen: torch.Generator):
@@ -144,7 +156,6 @@ def test_int4_gptq_as_the_self_draft(tiny_models):
 def test_int4_gptq_fits_once_and_keeps_the_blocks(tiny_models, tmp_path, monkeypatch):
     """The fitted blocks are kept in the cache and read by the next load (no calibration then); a checkpoint
     changed since is fitted again."""
-    import os
     import shutil
 
     from tokenmill.model import calibrate
