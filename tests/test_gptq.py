@@ -192,3 +192,16 @@ def test_int4_gptq_fits_again_over_an_unreadable_cache_file(tiny_models, tmp_pat
     assert "could not be read" in caplog.text
     assert llm.engine.model.layers[0].self_attn.qkv_proj.qweight.name == "Q4_1"
     assert isinstance(torch.load(kept, weights_only=True), dict)  # replaced by the fitted blocks
+
+
+def test_gptq_in_a_fresh_process():
+    """The fit in a process that has run nothing quantized before (calibration loads the float model, which
+    builds no quantized product): the compiled grid fit is loaded on first use."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from tokenmill.kernels import quant; w = torch.randn(32, 64); x = torch.randn(256, 64); "
+            "b = quant.gptq_q4_1(w, x.T @ x); print(tuple(b.shape), tuple(quant.quantize(w, 3).data.shape))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "(32, 40) (32, 40)"

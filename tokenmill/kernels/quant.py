@@ -286,7 +286,10 @@ def _fit_affine(g: torch.Tensor, top: int, iterations: int = 4, importance: torc
     n = g.shape[-1]
     steps = torch.linspace(top - 1, top + 1, search) if search else torch.empty(0)
     weights = torch.empty(0) if importance is None else importance.reshape(n)
-    d, m, codes = _module.fit_affine(g.reshape(-1, n), top, iterations, weights, steps)
+    module = load()  # (GPTQ runs on a float model, which loads no quantized product before)
+    if module is None:
+        raise RuntimeError("fitting int4 grids needs the quantized-weight kernels, which could not be built here")
+    d, m, codes = module.fit_affine(g.reshape(-1, n), top, iterations, weights, steps)
     return d.view(*g.shape[:-1], 1), m.view(*g.shape[:-1], 1), codes.view(g.shape)
 
 
