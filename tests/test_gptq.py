@@ -162,14 +162,13 @@ def test_int4_gptq_fits_once_and_keeps_the_blocks(tiny_models, tmp_path, monkeyp
 
     folder = str(tmp_path / "llama")
     shutil.copytree(tiny_models["llama"], folder)
-    where = calibrate.cache_file
-    monkeypatch.setattr(calibrate, "cache_file", lambda *a: str(tmp_path / "kept" / os.path.basename(where(*a))))
+    kept = tmp_path / "calibrated"  # (where _fits_kept_in_tmp sends them)
 
     def blocks(llm):
         return [p.data for m in llm.engine.model.modules() for p in getattr(m, "qparts", ())]
 
     first = blocks(LLM(folder, dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB"))
-    assert len(os.listdir(tmp_path / "kept")) == 1
+    assert len(os.listdir(kept)) == 1
     fits = []
     fit = calibrate.gptq_int4
     monkeypatch.setattr(calibrate, "gptq_int4", lambda *a: fits.append(1) or fit(*a))
@@ -179,7 +178,7 @@ def test_int4_gptq_fits_once_and_keeps_the_blocks(tiny_models, tmp_path, monkeyp
     st = os.stat(weights)
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     LLM(folder, dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB")
-    assert fits == [1] and len(os.listdir(tmp_path / "kept")) == 2
+    assert fits == [1] and len(os.listdir(kept)) == 2
 
 
 def test_int4_gptq_fits_again_over_an_unreadable_cache_file(tiny_models, tmp_path, monkeypatch, caplog):
