@@ -54,13 +54,30 @@ def test_an_engine_confined_to_one_cpu_runs_one_thread(tiny_models):
     assert before > 1 and after == 1
 
 
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory) -> str:
+    """A Llama of 19M parameters: a decode step reads 75 MB of weights, a few milliseconds, as a real
+    model's step takes. The tiny fixtures' steps take 70 microseconds: a team thread woken on the busy CPU
+    mostly preempts the spinning process and finishes first, so whether the team ever lags there was up
+    to the scheduler (in one run of four, no step of 200 did)."""
+    from transformers import LlamaConfig
+
+    from tests.conftest import save_tiny_models
+
+    def configs(vocab: int) -> dict:
+        return {"llama": LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)}
+
+    return save_tiny_models(tmp_path_factory.mktemp("small"), configs)["llama"]
+
+
 @pytest.mark.skipif(cpu_kernels.usable_cpus() < 2 or cpu_kernels.load() is None,
                     reason="needs two usable CPUs and the CPU kernels")
-def test_a_team_lagging_behind_a_busy_core_goes_on_with_one_thread(tiny_models):
+def test_a_team_lagging_behind_a_busy_core_goes_on_with_one_thread(small_llama):
     """A process spinning on one of the CPUs: the decode team's thread there waits for its core, the team
     notices (a thread spent most of a step waiting at barriers) and the next calls run on one thread."""
     assert torch.get_num_threads() >= 2
-    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="8MiB")
+    llm = LLM(small_llama, dtype="float32", kv_cache_memory="8MiB")
     params = SamplingParams(max_tokens=200, temperature=0.8, seed=0, ignore_eos=True)
     governor = llm.engine.runner.governor
     switches = governor.switches  # from before the warm-up: other load on the machine may switch it there
@@ -80,7 +97,9 @@ def test_a_team_lagging_behind_a_busy_core_goes_on_with_one_thread(tiny_models):
     # go on with one thread.
     noticed = (lagged2 - lagged) + (governor.switches - switches)
     one_thread = (solo2 - solo) + (governor.solo_steps - held)
-    assert noticed >= 1 and one_thread >= 64, (calls2 - calls, solo2 - solo, lagged2 - lagged, governor.stats())
+    # Two lagging steps in a row suffice, and one thread then runs until the end (the governor holds it
+    # for a second, the team for 64 calls at a time): 196 or 197 of the 200 steps in the runs seen.
+    assert noticed >= 1 and one_thread >= 150, (calls2 - calls, solo2 - solo, lagged2 - lagged, governor.stats())
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the CPU kernels")
