@@ -133,10 +133,65 @@ def test_int4_gptq_is_closer_to_the_float_model(tiny_models):
     assert gptq < 0.9 * rounded, (gptq, rounded)  # 0.84x here
 
 
-def test_int4_gptq_refusals(tiny_models):
-    with pytest.raises(ValueError, match="'int4-gptq' calibrates the whole model on one rank"):
-        LLM(tiny_models["llama"], dtype="float32", quantization="int4-gptq", tensor_parallel_size=2,
-            kv_cache_memory="16MiB")
+def test_int4_gptq_split_over_two_ranks(tiny_models, tmp_path, monkeypatch):
+    """tensor_parallel_size=2: the whole model is fitted once, each rank holds its cut of the fitted blocks
+    (rank 0's equal to the cut of the unsplit model's, value for value), and the greedy tokens are the
+    unsplit model's."""
+    from tokenmill.model import calibrate
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))  # the other rank's process: where this one keeps fits
+    folder = tiny_models["llama"]
+    prompts, sp = [[5, 6, 7, 8, 9], [20, 21, 22, 23] * 6], SamplingParams(temperature=0, max_tokens=24,
+                                                                          ignore_eos=True)
+    split = LLM(folder, dtype="float32", quantization="int4-gptq", tensor_parallel_size=2, kv_cache_memory="16MiB")
+    try:
+        got = [o.outputs[0].token_ids for o in split.generate(prompts, sp)]
+        rank0 = split.engine.loaded.model
+        shard = rank0.tp_shard
+        fits = []
+        fit = calibrate.gptq_int4
+        monkeypatch.setattr(calibrate, "gptq_int4", lambda *a: fits.append(1) or fit(*a))
+        whole = LLM(folder, dtype="float32", quantization="int4-gptq", kv_cache_memory="16MiB")
+        assert fits == [], "the split load should have kept its fit for the next load"
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            mine = rank0.layers[1].get_submodule(name).qweight
+            theirs = whole.engine.model.layers[1].get_submodule(name).qweight
+            assert mine.name == theirs.name == "Q4_1"
+            cut = shard.float_tensor(f"layers.1.{name}.weight", theirs.dequantize())
+            assert cut.shape != theirs.shape and torch.equal(mine.dequantize(), cut), name
+        assert got == [o.outputs[0].token_ids for o in whole.generate(prompts, sp)]
+    finally:
+        split.engine.shutdown()
+
+
+def test_loads_at_once_fit_once(tmp_path, monkeypatch):
+    """Two loads of one checkpoint at the same time (tensor-parallel ranks): one fits, the other waits for
+    its file and reads it."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from tokenmill.model import calibrate
+
+    monkeypatch.setattr(calibrate, "cache_file", lambda *a: str(tmp_path / "calibrated" / "fit.pt"))
+    monkeypatch.setattr(calibrate, "calibration_windows", lambda tokenizer, window: [[1, 2]])
+    fits = []
+
+    def gptq_int4(model, windows):
+        fits.append(1)
+        time.sleep(0.3)  # long enough for the other load to look for the file meanwhile
+        return {"layers.0.mlp.down_proj": torch.full((2, 20), len(fits), dtype=torch.uint8)}
+
+    monkeypatch.setattr(calibrate, "gptq_int4", gptq_int4)
+    got = []
+    loads = [threading.Thread(target=lambda: got.append(calibrate.fitted_int4(
+        "m", torch.float32, 512, lambda: SimpleNamespace(model=None, tokenizer=None)))) for _ in range(2)]
+    for t in loads:
+        t.start()
+    for t in loads:
+        t.join()
+    assert fits == [1] and len(got) == 2 and all(torch.equal(g["layers.0.mlp.down_proj"], got[0][
+        "layers.0.mlp.down_proj"]) for g in got)
 
 
 def test_int4_gptq_as_the_self_draft(tiny_models):

@@ -147,9 +147,6 @@ class EngineConfig:
                              f"its folder); {self.generation_config!r} does not exist")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.quantization == "int4-gptq":
-            raise ValueError("quantization 'int4-gptq' calibrates the whole model on one rank: use 'int4' with "
-                             "tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None \
                 and self.speculative_config.method == "self":
             raise ValueError("speculative decoding with method 'self' does not run with tensor_parallel_size > 1 "

@@ -61,8 +61,24 @@ def cache_file(path: str, dtype: torch.dtype, window: int) -> str:
 
 def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float) -> dict[str, torch.Tensor]:
     """gptq_int4's blocks for the checkpoint at path: from the cache, or fitted on load_float()'s model
-    (a LoadedModel at quantization "none") and then kept there."""
+    (a LoadedModel at quantization "none") and then kept there. Processes loading the same checkpoint at
+    once (tensor-parallel ranks) fit it once: one fits while the others wait, then they read its file."""
+    import fcntl
+
     file = cache_file(path, dtype, window)
+    try:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        folder = os.open(os.path.dirname(file), os.O_RDONLY)
+    except OSError:  # a cache that cannot be written: fitted here, and not kept (_fitted_int4 says so)
+        return _fitted_int4(file, window, load_float)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # the folder's: released when closed, or when its holder dies
+        return _fitted_int4(file, window, load_float)
+    finally:
+        os.close(folder)
+
+
+def _fitted_int4(file: str, window: int, load_float) -> dict[str, torch.Tensor]:
     if os.path.exists(file):
         try:
             fitted = torch.load(file, weights_only=True)
@@ -78,7 +94,6 @@ def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float) -> dict[
     fitted = gptq_int4(reference.model, calibration_windows(reference.tokenizer, window=window))
     del reference
     try:
-        os.makedirs(os.path.dirname(file), exist_ok=True)
         torch.save(fitted, file + ".tmp")
         os.replace(file + ".tmp", file)
         logger.info("int4-gptq: fitted blocks kept in %s (%.1f MiB)", file,

@@ -105,9 +105,6 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
                          "unquantized, or run one rank")
     fitted = None
     if quantization == "int4-gptq":
-        if tensor_parallel is not None:
-            raise ValueError("quantization 'int4-gptq' calibrates the whole model on one rank: use 'int4' with "
-                             "tensor parallelism")
         from tokenmill.model import calibrate
 
         window = min(calibrate.WINDOW, max_positions or calibrate.WINDOW,
@@ -120,6 +117,11 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
     if tensor_parallel is not None and shard is None:
         shard = _shard(hf_config, tensor_parallel)
+    if fitted is not None and shard is not None:  # the whole model's fit, each matrix cut as its float values are
+        block, block_bytes = 32, 20  # Q4_1's
+        fitted = {name: torch.from_numpy(shard.block_rows(
+            f"{name}.weight", blocks.numpy(), (blocks.shape[0], blocks.shape[1] // block_bytes * block), block,
+            block_bytes)[0]) for name, blocks in fitted.items()}
     with torch.device("meta"):
         model = cls(hf_config if shard is None else shard.config(hf_config), backend, positions)
         if reader is None and hf_config.get("quantization_config"):  # block-format weights (gpt-oss's MXFP4)
