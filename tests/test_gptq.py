@@ -164,9 +164,24 @@ def test_int4_gptq_split_over_two_ranks(tiny_models, tmp_path, monkeypatch):
         split.engine.shutdown()
 
 
+def test_a_split_that_cannot_be_made_is_refused_before_the_fit(tiny_models, monkeypatch):
+    """Four ranks for a model of two KV heads: refused at once, not after minutes of calibration."""
+    from tokenmill.attention.backend import new_backend
+    from tokenmill.model import calibrate
+    from tokenmill.model.loader import load_model
+
+    fits = []
+    monkeypatch.setattr(calibrate, "gptq_int4", lambda *a: fits.append(1))
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="exceeds the model's 2 key/value heads"):
+        load_model(tiny_models["llama"], torch.float32, cpu, new_backend(cpu), quantization="int4-gptq",
+                   tensor_parallel=(0, 4, None))
+    assert fits == []
+
+
 def test_loads_at_once_fit_once(tmp_path, monkeypatch):
-    """Two loads of one checkpoint at the same time (tensor-parallel ranks): one fits, the other waits for
-    its file and reads it."""
+    """Two loads of one checkpoint at the same time (tensor-parallel ranks): one fits, on the threads it was
+    given (a rank's own count is its share of the CPUs), the other waits for its file and reads it."""
     import threading
     import time
     from types import SimpleNamespace
@@ -178,19 +193,25 @@ def test_loads_at_once_fit_once(tmp_path, monkeypatch):
     fits = []
 
     def gptq_int4(model, windows):
-        fits.append(1)
+        fits.append(torch.get_num_threads())
         time.sleep(0.3)  # long enough for the other load to look for the file meanwhile
         return {"layers.0.mlp.down_proj": torch.full((2, 20), len(fits), dtype=torch.uint8)}
 
     monkeypatch.setattr(calibrate, "gptq_int4", gptq_int4)
     got = []
     loads = [threading.Thread(target=lambda: got.append(calibrate.fitted_int4(
-        "m", torch.float32, 512, lambda: SimpleNamespace(model=None, tokenizer=None)))) for _ in range(2)]
-    for t in loads:
-        t.start()
-    for t in loads:
-        t.join()
-    assert fits == [1] and len(got) == 2 and all(torch.equal(g["layers.0.mlp.down_proj"], got[0][
+        "m", torch.float32, 512, lambda: SimpleNamespace(model=None, tokenizer=None), threads=2))) for _ in range(2)]
+    own = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for t in loads:
+            t.start()
+        for t in loads:
+            t.join()
+        assert torch.get_num_threads() == 1  # given back
+    finally:
+        torch.set_num_threads(own)
+    assert fits == [2] and len(got) == 2 and all(torch.equal(g["layers.0.mlp.down_proj"], got[0][
         "layers.0.mlp.down_proj"]) for g in got)
 
 

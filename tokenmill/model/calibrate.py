@@ -59,10 +59,13 @@ def cache_file(path: str, dtype: torch.dtype, window: int) -> str:
     return os.path.join(cache_dir(), "calibrated", key.hexdigest()[:32] + ".pt")
 
 
-def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float) -> dict[str, torch.Tensor]:
+def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float,
+                threads: int | None = None) -> dict[str, torch.Tensor]:
     """gptq_int4's blocks for the checkpoint at path: from the cache, or fitted on load_float()'s model
     (a LoadedModel at quantization "none") and then kept there. Processes loading the same checkpoint at
-    once (tensor-parallel ranks) fit it once: one fits while the others wait, then they read its file."""
+    once (tensor-parallel ranks) fit it once: one fits while the others wait, then they read its file.
+    threads: how many the fit runs on, where not the caller's own count (a rank's share of the CPUs: the
+    ranks that wait leave theirs idle)."""
     import fcntl
 
     file = cache_file(path, dtype, window)
@@ -70,15 +73,15 @@ def fitted_int4(path: str, dtype: torch.dtype, window: int, load_float) -> dict[
         os.makedirs(os.path.dirname(file), exist_ok=True)
         folder = os.open(os.path.dirname(file), os.O_RDONLY)
     except OSError:  # a cache that cannot be written: fitted here, and not kept (_fitted_int4 says so)
-        return _fitted_int4(file, window, load_float)
+        return _fitted_int4(file, window, load_float, threads)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX)  # the folder's: released when closed, or when its holder dies
-        return _fitted_int4(file, window, load_float)
+        return _fitted_int4(file, window, load_float, threads)
     finally:
         os.close(folder)
 
 
-def _fitted_int4(file: str, window: int, load_float) -> dict[str, torch.Tensor]:
+def _fitted_int4(file: str, window: int, load_float, threads: int | None) -> dict[str, torch.Tensor]:
     if os.path.exists(file):
         try:
             fitted = torch.load(file, weights_only=True)
@@ -90,9 +93,14 @@ def _fitted_int4(file: str, window: int, load_float) -> dict[str, torch.Tensor]:
         except Exception as e:  # a truncated or foreign file: fit again, and replace it
             logger.warning("int4-gptq: %s could not be read (%s): fitting again", file, e)
     logger.info("int4-gptq: the float model first, to fit each layer's 4-bit weights to its inputs")
-    reference = load_float()
-    fitted = gptq_int4(reference.model, calibration_windows(reference.tokenizer, window=window))
-    del reference
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads or own)
+    try:
+        reference = load_float()
+        fitted = gptq_int4(reference.model, calibration_windows(reference.tokenizer, window=window))
+        del reference
+    finally:
+        torch.set_num_threads(own)
     try:
         torch.save(fitted, file + ".tmp")
         os.replace(file + ".tmp", file)

@@ -103,6 +103,10 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     if quantization == "fp8" and tensor_parallel is not None:
         raise ValueError("quantization 'fp8' does not shard between tensor-parallel ranks yet: load the weights "
                          "unquantized, or run one rank")
+    if tensor_parallel is not None and shard is None:
+        shard = _shard(hf_config, tensor_parallel)  # (a model that does not split is refused here, before any fit)
+    if device.type == "cpu":
+        cpu_kernels.load()  # compiled once per machine, cached by torch (before a fit's threads, which it plans for)
     fitted = None
     if quantization == "int4-gptq":
         from tokenmill.model import calibrate
@@ -110,13 +114,10 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
         window = min(calibrate.WINDOW, max_positions or calibrate.WINDOW,
                      hf_config.get("max_position_embeddings") or calibrate.WINDOW)
         fitted = calibrate.fitted_int4(path, dtype, window,
-                                       lambda: load_model(name, dtype, device, backend, max_positions, "none"))
-    if device.type == "cpu":
-        cpu_kernels.load()  # compiled once per machine, cached by torch
+                                       lambda: load_model(name, dtype, device, backend, max_positions, "none"),
+                                       cpu_kernels.usable_cpus() if tensor_parallel is not None else None)
     cls = model_class(hf_config)
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
-    if tensor_parallel is not None and shard is None:
-        shard = _shard(hf_config, tensor_parallel)
     if fitted is not None and shard is not None:  # the whole model's fit, each matrix cut as its float values are
         block, block_bytes = 32, 20  # Q4_1's
         fitted = {name: torch.from_numpy(shard.block_rows(
