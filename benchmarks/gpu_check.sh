@@ -4,10 +4,11 @@
 #
 #     bash benchmarks/gpu_check.sh [OUT_DIR]
 #
-# 1. tests/test_gpu.py with each attention backend, tests/test_triton_attention.py and
-#    tests/test_fp8_weights.py on the GPU (the test that needs the default model's file is left out);
+# 1. tests/test_gpu.py with each attention backend, tests/test_triton_attention.py,
+#    tests/test_fp8_weights.py and tests/test_int8_torch.py on the GPU (the test that needs the default
+#    model's file is left out);
 # 2. benchmarks/gpu_attention.py: decode and prompt attention, Triton against torch's operators;
-# 3. batch-1 decode of a 1B Llama-shaped model (random bfloat16 weights) with bfloat16 and fp8 weights,
+# 3. batch-1 decode of a 1B Llama-shaped model (random bfloat16 weights) with bfloat16, fp8 and int8 weights,
 #    each attention backend, `tokenmill bench latency`.
 # Each part's output goes to OUT_DIR (default: gpu-check/), a failing part does not stop the others.
 set -u
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
     >> "$out/gpu.txt" 2>&1
 
 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_fp8_weights.py \
-    -k "not quantized_file" > "$out/kernels.txt" 2>&1; echo "kernels rc=$?" | tee -a "$out/summary.txt"
+    tests/test_int8_torch.py -k "not quantized_file" > "$out/kernels.txt" 2>&1; echo "kernels rc=$?" | tee -a "$out/summary.txt"
 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$out/gpu-torch.txt" 2>&1
 echo "test_gpu torch rc=$?" | tee -a "$out/summary.txt"
 TOKENMILL_ATTENTION_BACKEND=triton "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$out/gpu-triton.txt" 2>&1
@@ -44,7 +45,7 @@ AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.
 make_tokenizer(sys.argv[1])
 EOF
 for backend in torch triton; do
-    for q in auto fp8; do
+    for q in auto fp8 int8; do
         TOKENMILL_ATTENTION_BACKEND=$backend "$py" -m tokenmill.cli bench latency "$model" --device cuda \
             --dtype bfloat16 --quantization "$q" --batch-size 1 --input-len 128 --output-len 256 --iters 5 \
             > "$out/decode-$backend-$q.txt" 2>&1

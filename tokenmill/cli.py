@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     g.add_argument("--quantization", default="auto",
                    help="auto: run a quantized GGUF in its own formats; none: dequantize its weights to --dtype; "
-                        "int8 / int4: quantize float weights at load, in groups of 32; int4-gptq: int4 fitted to a "
+                        "int8 / int4: quantize float weights at load, in groups of 32 (int8 on a GPU: a scale per "
+                        "channel, torch's int8 product); int4-gptq: int4 fitted to a "
                         "calibration text at load (GPTQ: slower to load, closer to the float model); fp8: e4m3 "
                         "weights with a scale "
                         "per channel, for GPUs with FP8 products (default: auto)")

@@ -83,7 +83,8 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     # "auto": a quantized GGUF file runs in its own block formats (as llama.cpp runs it); "none":
     # every weight is dequantized to dtype at load (the reference path); "int8" / "int4": float weights
-    # are quantized at load (groups of 32; the embedding and output layer at 8 bits); "int4-gptq": int4 whose
+    # are quantized at load (groups of 32; the embedding and output layer at 8 bits; int8 on a GPU, or on a
+    # CPU without tokenmill's kernels: a scale per channel, torch's int8 product); "int4-gptq": int4 whose
     # linear layers are fitted at load to the inputs they see on a calibration text (model/calibrate.py:
     # GPTQ; a load of the float model and a pass over 8k tokens first); "fp8": float weights
     # become e4m3 codes with a scale per output channel, multiplied by torch's FP8 product (GPUs with FP8

@@ -97,9 +97,11 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     else:
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
-    if quantization in quant.QUANTIZE_TO and device.type != "cpu":
+    # int8 through torch's own product where the CPU kernels do not run it: a GPU, or a CPU without them
+    torch_int8 = quantization == "int8" and (device.type != "cpu" or quant.load() is None)
+    if quantization in quant.QUANTIZE_TO and device.type != "cpu" and not torch_int8:
         raise ValueError(f"quantization {quantization!r} runs on the CPU kernels; on {device.type} load the "
-                         "weights unquantized (quantization 'auto') or as fp8")
+                         "weights unquantized (quantization 'auto'), as int8 or as fp8")
     if quantization == "fp8" and tensor_parallel is not None:
         raise ValueError("quantization 'fp8' does not shard between tensor-parallel ranks yet: load the weights "
                          "unquantized, or run one rank")
@@ -135,7 +137,9 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
             tp.make_shard(model, shard, tensor_parallel[2])
             weights = tp.cut_float_weights(model, shard, weights)
     model.quantize_weights(quantized)
-    if quantization in quant.QUANTIZE_TO:
+    if torch_int8:
+        weights = torch_int8_on_load(model, weights, device)
+    elif quantization in quant.QUANTIZE_TO:
         weights = quantize_on_load(model, weights, quantization, fitted)
     elif quantization == "fp8":
         weights = fp8_on_load(model, weights, device)
@@ -233,24 +237,33 @@ def _fitted_blocks(model: nn.Module, module: nn.Module, blocks: torch.Tensor, qt
     return take
 
 
+def _channel_targets(model: nn.Module, weight_class, device: torch.device, granule: int) -> dict:
+    """The linear layers that take a per-channel weight format (kernels/fp8.py, kernels/int8.py), each
+    prepared for it: all but the embedding, the output layer, mixture-of-experts experts and routers, and
+    layers whose sizes are not multiples of granule."""
+    from tokenmill.model.layers import Embedding, _QuantizableLinear
+
+    def convert(tensor: torch.Tensor, name: str):
+        return weight_class.quantize(tensor.to(device), name)
+
+    targets = {}
+    for name, module in model.named_modules():
+        if (isinstance(module, _QuantizableLinear) and not isinstance(module, Embedding) and name != "lm_head"
+                and not getattr(module, "keep_float", False) and module.in_features % granule == 0
+                and all(size % granule == 0 for size in module.out_sizes)):
+            targets[name] = convert
+            module.quantize_weight()
+    model.quantized = bool(targets)
+    return targets
+
+
 def fp8_on_load(model: nn.Module, weights, device: torch.device):
     """Prepare the model's linear layers for FP8 weights (kernels/fp8.py) and quantize their float checkpoint
     tensors on the device as they stream past. The embedding, the output layer, mixture-of-experts experts and
     routers, and layers whose sizes are not multiples of 16 (the FP8 product's granule) stay float."""
     from tokenmill.kernels.fp8 import Fp8Weight, scaled_mm_supported
-    from tokenmill.model.layers import Embedding, _QuantizableLinear
 
-    def to_fp8(tensor: torch.Tensor, name: str):
-        return Fp8Weight.quantize(tensor.to(device), name)
-
-    targets = {}
-    for name, module in model.named_modules():
-        if (isinstance(module, _QuantizableLinear) and not isinstance(module, Embedding) and name != "lm_head"
-                and not getattr(module, "keep_float", False) and module.in_features % 16 == 0
-                and all(size % 16 == 0 for size in module.out_sizes)):
-            targets[name] = to_fp8
-            module.quantize_weight()
-    model.quantized = bool(targets)
+    targets = _channel_targets(model, Fp8Weight, device, 16)
     if device.type == "cpu":
         logger.warning("fp8 weights on the CPU run through torch's reference FP8 product, slower than bfloat16: "
                        "the CPU's own formats are quantization 'int8' and 'int4'")
@@ -258,6 +271,21 @@ def fp8_on_load(model: nn.Module, weights, device: torch.device):
         logger.info("torch has no FP8 product on this %s: fp8 weights are dequantized for each product", device)
     return _quantized_stream(model, weights, targets,
                              "fp8 (e4m3, a scale per channel; embedding and output layer float)")
+
+
+def torch_int8_on_load(model: nn.Module, weights, device: torch.device):
+    """Quantization "int8" where tokenmill's CPU kernels do not run it (a GPU, or a CPU they could not be
+    built for): the linear layers' weights as int8 with a scale per output channel (kernels/int8.py),
+    quantized on the device as they stream past, multiplied by torch's weight-only int8 product. The
+    embedding, the output layer, mixture-of-experts experts and routers stay float."""
+    from tokenmill.kernels.int8 import Int8Weight, int8_product_supported
+
+    targets = _channel_targets(model, Int8Weight, device, 1)
+    if not int8_product_supported(device):
+        logger.info("torch has no weight-only int8 product on this %s: int8 weights are dequantized for each "
+                    "product", device)
+    return _quantized_stream(model, weights, targets,
+                             "int8 (a scale per channel; embedding and output layer float)")
 
 
 def _quantized_stream(model: nn.Module, weights, targets: dict, describe: str):
