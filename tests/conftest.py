@@ -272,3 +272,33 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def assert_channel_format_matches(llm, ref, weight_class, arch: str, device: str, tolerance: float) -> None:
+    """A model loaded in a per-channel weight format (FP8, torch int8) against transformers' model `ref` with
+    the same rounding: its linear layers hold weight_class (q, k, v merged; Phi-3's stored merged), the
+    embedding, output layer and mixture-of-experts experts stay float, and the fused CPU decode step stands
+    aside; prompt logprobs match ref's within tolerance, and greedy tokens match ref's."""
+    from tokenmill import SamplingParams
+
+    model = llm.engine.model
+    attn = model.layers[1].self_attn
+    assert isinstance(attn.qkv_proj.qweight, weight_class) and isinstance(attn.o_proj.qweight, weight_class)
+    assert attn.qkv_proj.qweight.shape == (sum(attn.qkv_proj.out_sizes), attn.qkv_proj.in_features)
+    assert model.embed_tokens.qweight is None and (model.lm_head is None or model.lm_head.qweight is None)
+    if arch == "mixtral":
+        assert not model.layers[0].mlp.experts.qparts
+    else:
+        assert isinstance(model.layers[0].mlp.down_proj.qweight, weight_class)
+    prompts = [llm.get_tokenizer().encode(PROMPTS[2]), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, min_tokens=8, temperature=0, prompt_logprobs=1))
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids], device=device)).logits[0].log_softmax(-1).cpu()
+        got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+        assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=tolerance)
+        with torch.no_grad():
+            ref_tokens = ref.generate(torch.tensor([ids], device=device), max_new_tokens=8, min_new_tokens=8,
+                                      do_sample=False)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref_tokens
+    assert model.built_fused_decoder() is None

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import PROMPTS
-from tokenmill import LLM, SamplingParams
+from tests.conftest import assert_channel_format_matches
+from tokenmill import LLM
 from tokenmill.kernels.fp8 import E4M3_MAX, Fp8Weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,30 +73,8 @@ def test_fp8_at_load_matches_transformers_in_fp8(tiny_models, arch):
     """The layers hold Fp8Weight (q, k, v merged; Phi-3's stored merged), the embedding, output layer and
     experts stay float, the fused CPU decode step stands aside; prompt logprobs match transformers doing
     the same FP8 arithmetic, and greedy tokens match it."""
-    folder = tiny_models[arch]
-    llm = LLM(folder, dtype="float32", quantization="fp8", device=DEVICE, kv_cache_memory="16MiB")
-    model = llm.engine.model
-    attn = model.layers[1].self_attn
-    assert isinstance(attn.qkv_proj.qweight, Fp8Weight) and isinstance(attn.o_proj.qweight, Fp8Weight)
-    assert attn.qkv_proj.qweight.shape == (sum(attn.qkv_proj.out_sizes), attn.qkv_proj.in_features)
-    assert model.embed_tokens.qweight is None and (model.lm_head is None or model.lm_head.qweight is None)
-    if arch == "mixtral":
-        assert not model.layers[0].mlp.experts.qparts
-    else:
-        assert isinstance(model.layers[0].mlp.down_proj.qweight, Fp8Weight)
-    ref = _fp8_reference(folder).to(DEVICE)
-    prompts = [llm.get_tokenizer().encode(PROMPTS[2]), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, min_tokens=8, temperature=0, prompt_logprobs=1))
-    for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = ref(torch.tensor([ids], device=DEVICE)).logits[0].log_softmax(-1).cpu()
-        got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
-        assert got == pytest.approx([want[i - 1, t].item() for i, t in enumerate(ids) if i], abs=2e-3)
-        with torch.no_grad():
-            ref_tokens = ref.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=8, min_new_tokens=8,
-                                      do_sample=False)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref_tokens
-    assert model.built_fused_decoder() is None
+    llm = LLM(tiny_models[arch], dtype="float32", quantization="fp8", device=DEVICE, kv_cache_memory="16MiB")
+    assert_channel_format_matches(llm, _fp8_reference(tiny_models[arch]).to(DEVICE), Fp8Weight, arch, DEVICE, 2e-3)
 
 
 def test_fp8_saves_the_bytes_of_the_projections(tiny_models):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels.channel import ChannelWeight
+
 E4M3_MAX = 448.0
 FORMAT = "FP8_E4M3"
 
@@ -32,36 +34,16 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-class Fp8Weight:
-    """A [n, k] weight as e4m3 codes and a float32 scale per row; the quantized-weight interface of the
-    linear layers (layers._QuantizableLinear): matmul, shape, nbytes, name, cat."""
+class Fp8Weight(ChannelWeight):
+    """A [n, k] weight as e4m3 codes and a float32 scale per row."""
 
-    __slots__ = ("codes", "scales", "shape", "_scaled_mm")
+    __slots__ = ("_scaled_mm",)
     name = FORMAT
-    qtype = None  # no GGML type: the CPU's fused decode step does not take it
+    _codes = staticmethod(_codes)
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        self.codes, self.scales = codes.contiguous(), scales.float().contiguous()
-        self.shape = tuple(codes.shape)
+        super().__init__(codes, scales)
         self._scaled_mm = scaled_mm_supported(codes.device)
-
-    @classmethod
-    def quantize(cls, w: torch.Tensor, name: str = "weight") -> Fp8Weight:
-        if w.dim() != 2:
-            raise ValueError(f"{name}: fp8 quantizes matrices, got shape {tuple(w.shape)}")
-        return cls(*_codes(w))
-
-    @classmethod
-    def cat(cls, parts: list[Fp8Weight]) -> Fp8Weight:
-        """The parts' rows one after another (a merged projection's q, k and v)."""
-        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.codes.float() * self.scales.unsqueeze(-1)).to(dtype)
 
     def matmul(self, x: torch.Tensor, float_from: int | None = None) -> torch.Tensor:
         """x [..., k] @ W^T in x's dtype; float_from is the CPU block formats' and is not used here."""

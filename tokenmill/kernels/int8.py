@@ -11,7 +11,11 @@ codes are dequantized for an ordinary product (the weights still stored in one b
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from tokenmill.kernels.channel import ChannelWeight
 
 FORMAT = "INT8"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,47 +35,38 @@ def _codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (wf / scales.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8), scales
 
 
+@functools.cache
 def int8_product_supported(device: torch.device) -> bool:
-    """Whether torch has a weight-only int8 product on this device."""
-    if device.type == "cuda":
-        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
-    return device.type == "cpu"
+    """Whether torch has a weight-only int8 product on this device: on a GPU, one that runs a row of
+    bfloat16 (tried once, on a small product; a torch whose kernel is missing or refuses those shapes
+    gets the dequantizing path rather than a failing first step)."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm",
+                                                                                     "CUDA"):
+        return False
+    try:
+        x = torch.ones(1, 64, dtype=torch.bfloat16, device=device)
+        w = torch.ones(64, 64, dtype=torch.int8, device=device)
+        y = torch._weight_int8pack_mm(x, w, torch.full((64,), 0.5, dtype=torch.bfloat16, device=device))
+        return bool((y == 32).all())
+    except RuntimeError:
+        return False
 
 
-class Int8Weight:
-    """A [n, k] weight as int8 codes and a float32 scale per row; the quantized-weight interface of the
-    linear layers (layers._QuantizableLinear): matmul, shape, nbytes, name, cat, dequantize."""
+class Int8Weight(ChannelWeight):
+    """A [n, k] weight as int8 codes and a float32 scale per row."""
 
-    __slots__ = ("codes", "scales", "shape", "_product", "_scales_as")
+    __slots__ = ("_product", "_scales_as")
     name = FORMAT
-    qtype = None  # no GGML type: the CPU's fused decode step does not take it
+    _codes = staticmethod(_codes)
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        if codes.dtype != torch.int8 or codes.dim() != 2 or scales.shape != codes.shape[:1]:
-            raise ValueError(f"int8 weights need codes [n, k] of int8 and scales [n], got {tuple(codes.shape)} "
-                             f"{codes.dtype} and {tuple(scales.shape)}")
-        self.codes, self.scales = codes.contiguous(), scales.float().contiguous()
-        self.shape = tuple(codes.shape)
+        if codes.dtype != torch.int8:
+            raise ValueError(f"int8 weights need int8 codes, got {codes.dtype}")
+        super().__init__(codes, scales)
         self._product = int8_product_supported(codes.device)
         self._scales_as: dict[torch.dtype, torch.Tensor] = {}  # the scales in each activation dtype seen
-
-    @classmethod
-    def quantize(cls, w: torch.Tensor, name: str = "weight") -> Int8Weight:
-        if w.dim() != 2:
-            raise ValueError(f"{name}: int8 quantizes matrices, got shape {tuple(w.shape)}")
-        return cls(*_codes(w))
-
-    @classmethod
-    def cat(cls, parts: list[Int8Weight]) -> Int8Weight:
-        """The parts' rows one after another (a merged projection's q, k and v)."""
-        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.codes.float() * self.scales.unsqueeze(-1)).to(dtype)
 
     def matmul(self, x: torch.Tensor, float_from: int | None = None) -> torch.Tensor:
         """x [..., k] @ W^T in x's dtype; float_from is the CPU block formats' and is not used here."""
