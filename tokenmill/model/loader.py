@@ -121,7 +121,9 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device, backe
     cls = model_class(hf_config)
     positions = max_positions or hf_config.get("max_position_embeddings", 4096)
     if fitted is not None and shard is not None:  # the whole model's fit, each matrix cut as its float values are
-        block, block_bytes = 32, 20  # Q4_1's
+        import gguf
+
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(calibrate.Q4_1)]
         fitted = {name: torch.from_numpy(shard.block_rows(
             f"{name}.weight", blocks.numpy(), (blocks.shape[0], blocks.shape[1] // block_bytes * block), block,
             block_bytes)[0]) for name, blocks in fitted.items()}
